@@ -1,0 +1,38 @@
+# The two commands of the README: `make demo` and `make test`. Both set up what is
+# missing (scripts/setup.sh is idempotent), build with CMake, then run.
+SHELL := /bin/bash
+BUILD ?= build
+JOBS ?= 2
+PY := .venv/bin/python
+MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+.PHONY: all setup configure build test demo bench clean
+
+all: build
+
+setup:
+	@scripts/setup.sh
+
+$(BUILD)/CMakeCache.txt: CMakeLists.txt | setup
+	@torch_root=$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))') && \
+	 torch_cuda=$$($(PY) -c 'import torch; print(torch.version.cuda or "")') && \
+	 cmake -S . -B $(BUILD) -DTROUPE_TORCH_ROOT=$$torch_root -DTROUPE_TORCH_CUDA_VERSION=$$torch_cuda \
+	       -DTROUPE_PYTHON=$(CURDIR)/$(PY)
+
+configure: $(BUILD)/CMakeCache.txt
+
+build: setup configure
+	@cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	@cd $(BUILD) && ctest --output-on-failure -j 1
+
+demo: build
+	$(BUILD)/troupe generate --model $(MODEL) --chat --max-tokens 96 \
+	  --prompt "What is the capital of France? Answer in one sentence."
+
+bench: build
+	$(PY) bench/forward_throughput.py --troupe $(BUILD)/troupe --model $(MODEL)
+
+clean:
+	rm -rf $(BUILD)

