@@ -1,1 +1,197 @@
-int main() { return 0; }
+// The troupe command line: parses arguments and calls the libraries; nothing else lives here.
+// Every troupe::Error (and any other exception) becomes one line on stderr and exit code 1.
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "generator/generate.hpp"
+#include "policy/chat_template.hpp"
+#include "policy/checkpoint.hpp"
+#include "policy/error.hpp"
+#include "policy/perplexity.hpp"
+
+namespace {
+
+using namespace troupe;
+namespace fs = std::filesystem;
+
+torch::Dtype parse_dtype(const std::string& name) {
+  if (name == "float32") return torch::kFloat32;
+  if (name == "bfloat16") return torch::kBFloat16;
+  if (name == "float16") return torch::kFloat16;
+  throw Error("--dtype '" + name + "': expected float32, bfloat16 or float16");
+}
+
+const Tokenizer& require_tokenizer(const LoadedModel& m) {
+  if (!m.tokenizer) throw Error(m.source.string() + ": no tokenizer.json next to the model");
+  return *m.tokenizer;
+}
+
+// Stop at the model's end-of-sequence ids and at the template's end-of-turn token.
+std::vector<int32_t> stop_ids(const LoadedModel& m, const Tokenizer& tok) {
+  std::vector<int32_t> ids;
+  for (int64_t id : m.config.eos_token_ids) ids.push_back(static_cast<int32_t>(id));
+  if (auto eos = tok.eos_id()) ids.push_back(*eos);
+  for (const char* end_of_turn : {"<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>"})
+    if (auto id = tok.token_id(end_of_turn)) ids.push_back(*id);
+  return ids;
+}
+
+struct GenerateArgs {
+  std::string model, prompt, system, dtype = "float32";
+  bool chat = false;
+  int64_t max_tokens = 128;
+  double temperature = 0.0;
+  uint64_t seed = 0;
+};
+
+int run_generate(const GenerateArgs& a) {
+  auto m = load_model(a.model, {.dtype = parse_dtype(a.dtype)});
+  const Tokenizer& tok = require_tokenizer(m);
+  std::string text = a.prompt;
+  if (a.chat) {
+    if (!tok.chat_template()) throw Error(a.model + ": the tokenizer has no chat template; drop --chat");
+    auto tmpl = ChatTemplate::detect(*tok.chat_template(), a.model);
+    std::vector<ChatMessage> messages;
+    if (!a.system.empty()) messages.push_back({"system", a.system});
+    messages.push_back({"user", a.prompt});
+    text = tmpl.render(messages, /*add_generation_prompt=*/true);
+  }
+  auto prompt = tok.encode(text);
+  auto stops = stop_ids(m, tok);
+  // Print as tokens arrive, holding back text that ends inside a multi-byte character.
+  std::vector<int32_t> done;
+  size_t printed = 0;
+  auto on_token = [&](int32_t id) {
+    if (std::find(stops.begin(), stops.end(), id) != stops.end()) return;
+    done.push_back(id);
+    std::string s = tok.decode(done);
+    if (s.size() >= 3 && s.compare(s.size() - 3, 3, "\xEF\xBF\xBD") == 0) return;
+    std::cout << s.substr(printed) << std::flush;
+    printed = s.size();
+  };
+  SamplingParams params{.temperature = a.temperature, .max_tokens = a.max_tokens, .seed = a.seed};
+  generate(*m.model, prompt, params, stops, on_token);
+  std::string s = tok.decode(done);
+  std::cout << s.substr(std::min(printed, s.size())) << std::endl;
+  return 0;
+}
+
+int run_tokenize(const std::string& path, bool decode) {
+  auto tok = Tokenizer::load(path);
+  std::string line;
+  int64_t line_no = 0;
+  while (std::getline(std::cin, line)) {
+    ++line_no;
+    if (!decode) {
+      std::cout << nlohmann::json(tok.encode(line)).dump() << "\n";
+      continue;
+    }
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_array())
+      throw Error("<stdin>:" + std::to_string(line_no) + ": expected a JSON array of token ids");
+    std::vector<int32_t> ids;
+    for (const auto& v : j) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= tok.vocab_size())
+        throw Error("<stdin>:" + std::to_string(line_no) + ": " + v.dump() + " is not a token id (vocabulary size " +
+                    std::to_string(tok.vocab_size()) + ")");
+      ids.push_back(v.get<int32_t>());
+    }
+    std::cout << nlohmann::json(tok.decode(ids)).dump() << "\n";
+  }
+  return 0;
+}
+
+std::vector<std::string> read_jsonl_field(const std::string& path, const std::string& field, int64_t limit) {
+  std::ifstream in(path);
+  if (!in) throw Error(path + ": cannot open");
+  std::vector<std::string> texts;
+  std::string line;
+  int64_t line_no = 0;
+  while ((limit <= 0 || static_cast<int64_t>(texts.size()) < limit) && std::getline(in, line)) {
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    std::string where = path + ":" + std::to_string(line_no);
+    if (j.is_discarded() || !j.is_object()) throw Error(where + ": not a JSON object");
+    auto it = j.find(field);
+    if (it == j.end()) throw Error(where + ": no field '" + field + "'");
+    if (!it->is_string()) throw Error(where + ": field '" + field + "' is not a string");
+    texts.push_back(it->get<std::string>());
+  }
+  if (texts.empty()) throw Error(path + ": no texts to evaluate");
+  return texts;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"troupe: asynchronous RL post-training for language models, as one native binary"};
+  app.require_subcommand(1);
+
+  GenerateArgs gen;
+  auto* generate_cmd = app.add_subcommand("generate", "Generate a completion for one prompt");
+  generate_cmd->add_option("--model", gen.model, "Hugging Face folder or .gguf file")->required();
+  generate_cmd->add_option("--prompt", gen.prompt, "The prompt text")->required();
+  generate_cmd->add_flag("--chat", gen.chat, "Wrap the prompt as a user turn with the model's chat template");
+  generate_cmd->add_option("--system", gen.system, "A system message (with --chat)");
+  generate_cmd->add_option("--max-tokens", gen.max_tokens, "Most new tokens")->check(CLI::Range(1, 1 << 20));
+  generate_cmd->add_option("--temperature", gen.temperature, "0 for greedy")->check(CLI::Range(0.0, 100.0));
+  generate_cmd->add_option("--seed", gen.seed, "Sampling seed");
+  generate_cmd->add_option("--dtype", gen.dtype, "float32, bfloat16 or float16");
+
+  std::string tokenizer_path;
+  bool decode = false;
+  auto* tokenize_cmd = app.add_subcommand("tokenize", "Text lines on stdin to JSON arrays of token ids (or back)");
+  tokenize_cmd->add_option("--tokenizer", tokenizer_path, "tokenizer.json, a Hugging Face folder or a .gguf file")
+      ->required();
+  tokenize_cmd->add_flag("--decode", decode, "Read JSON arrays of ids, print JSON strings");
+
+  auto* eval_cmd = app.add_subcommand("eval", "Evaluate a model");
+  eval_cmd->require_subcommand(1);
+  std::string ppl_model, ppl_data, ppl_field = "text", ppl_dtype = "float32";
+  int64_t ppl_limit = 0, ppl_batch = 8, ppl_max_length = 1024;
+  auto* ppl_cmd = eval_cmd->add_subcommand("perplexity", "Perplexity over one text field of a JSONL file");
+  ppl_cmd->add_option("--model", ppl_model, "Hugging Face folder or .gguf file")->required();
+  ppl_cmd->add_option("--data", ppl_data, "JSONL file")->required();
+  ppl_cmd->add_option("--field", ppl_field, "The field holding the text");
+  ppl_cmd->add_option("--limit", ppl_limit, "Use the first N lines (0: all)")->check(CLI::NonNegativeNumber);
+  ppl_cmd->add_option("--batch-size", ppl_batch, "Texts per forward pass")->check(CLI::Range(1, 4096));
+  ppl_cmd->add_option("--max-length", ppl_max_length, "Cut texts to this many tokens")->check(CLI::Range(2, 1 << 20));
+  ppl_cmd->add_option("--dtype", ppl_dtype, "float32, bfloat16 or float16");
+
+  std::string convert_in, convert_out, convert_dtype = "float32";
+  auto* convert_cmd = app.add_subcommand("convert", "Write a model (.gguf or HF folder) as a Hugging Face folder");
+  convert_cmd->add_option("model", convert_in, "The .gguf file or Hugging Face folder")->required();
+  convert_cmd->add_option("out_dir", convert_out, "The folder to write")->required();
+  convert_cmd->add_option("--dtype", convert_dtype, "float32, bfloat16 or float16 on disk");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (*generate_cmd) return run_generate(gen);
+    if (*tokenize_cmd) return run_tokenize(tokenizer_path, decode);
+    if (*ppl_cmd) {
+      auto m = load_model(ppl_model, {.dtype = parse_dtype(ppl_dtype)});
+      auto texts = read_jsonl_field(ppl_data, ppl_field, ppl_limit);
+      auto r = perplexity(*m.model, require_tokenizer(m), texts, ppl_batch, ppl_max_length);
+      std::cout << "texts: " << texts.size() << "\ntokens: " << r.tokens << "\nmean_nll: " << r.mean_nll
+                << "\nperplexity: " << r.perplexity << std::endl;
+      return 0;
+    }
+    if (*convert_cmd) {
+      auto m = load_model(convert_in);
+      save_hf_dir(m, convert_out, {.dtype = parse_dtype(convert_dtype)});
+      std::cout << "wrote " << convert_out << std::endl;
+      return 0;
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "troupe: error: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}

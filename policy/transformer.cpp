@@ -1,1 +1,202 @@
-// placeholder: being written
+// The transformer's forward pass, written to compute exactly what transformers computes
+// (float32 RMSNorm statistics, float32 RoPE tables, SDPA attention). No training tricks here:
+// activation checkpointing and sharding are applied from outside.
+#include "policy/transformer.hpp"
+
+#include <cmath>
+#include <numbers>
+
+#include <torch/torch.h>
+
+namespace troupe {
+
+namespace F = torch::nn::functional;
+
+KVCache KVCache::allocate(const ModelConfig& c, int64_t batch, int64_t capacity, torch::TensorOptions options) {
+  KVCache cache;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    cache.k.push_back(torch::zeros({batch, c.num_key_value_heads, capacity, c.head_dim}, options));
+    cache.v.push_back(torch::zeros({batch, c.num_key_value_heads, capacity, c.head_dim}, options));
+  }
+  return cache;
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight_ = register_parameter("weight", torch::ones({dim}));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  auto h = x.to(torch::kFloat32);
+  h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return weight_ * h.to(x.scalar_type());
+}
+
+RotaryEmbedding::RotaryEmbedding(const ModelConfig& c) {
+  // 1 / theta^(2i / d), in float32 as transformers computes it.
+  auto exponent = torch::arange(0, c.head_dim, 2, torch::kInt64).to(torch::kFloat32) / static_cast<double>(c.head_dim);
+  inv_freq_ = 1.0 / torch::pow(torch::tensor(c.rope_theta, torch::kFloat32), exponent);
+  if (c.rope_llama3) {
+    // Llama 3.1: wavelengths longer than the original context are slowed by `factor`,
+    // short ones kept, and those between interpolated smoothly.
+    const auto& s = *c.rope_llama3;
+    double old_len = static_cast<double>(s.original_max_position_embeddings);
+    double low_freq_wavelen = old_len / s.low_freq_factor;
+    double high_freq_wavelen = old_len / s.high_freq_factor;
+    auto wavelen = 2 * std::numbers::pi / inv_freq_;
+    auto scaled = torch::where(wavelen > low_freq_wavelen, inv_freq_ / s.factor, inv_freq_);
+    auto smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    auto smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+    auto medium = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+    inv_freq_ = torch::where(medium, smoothed, scaled);
+  }
+}
+
+std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::cos_sin(const torch::Tensor& positions,
+                                                                   torch::ScalarType dtype) {
+  if (inv_freq_.device() != positions.device()) inv_freq_ = inv_freq_.to(positions.device());
+  auto freqs = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq_;  // [B, T, hd/2]
+  auto emb = torch::cat({freqs, freqs}, -1);                            // [B, T, hd]
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+namespace {
+
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  auto halves = x.chunk(2, -1);
+  return torch::cat({-halves[1], halves[0]}, -1);
+}
+
+// x [B, heads, T, hd]; cos, sin [B, T, hd]
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  return x * c + rotate_half(x) * s;
+}
+
+torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+}  // namespace
+
+AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t layer)
+    : layer_(layer), n_heads_(c.num_attention_heads), n_kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim) {
+  q_proj_ = register_module("q_proj", linear(c.hidden_size, n_heads_ * head_dim_, c.qkv_bias));
+  k_proj_ = register_module("k_proj", linear(c.hidden_size, n_kv_heads_ * head_dim_, c.qkv_bias));
+  v_proj_ = register_module("v_proj", linear(c.hidden_size, n_kv_heads_ * head_dim_, c.qkv_bias));
+  o_proj_ = register_module("o_proj", linear(n_heads_ * head_dim_, c.hidden_size, c.o_bias));
+  if (c.qk_norm) {
+    q_norm_ = register_module("q_norm", RMSNorm(head_dim_, c.rms_norm_eps));
+    k_norm_ = register_module("k_norm", RMSNorm(head_dim_, c.rms_norm_eps));
+  }
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     const torch::Tensor& mask, KVCache* cache) {
+  const int64_t B = x.size(0), T = x.size(1);
+  auto q = q_proj_(x).view({B, T, n_heads_, head_dim_});     // (B, T, nh, hd)
+  auto k = k_proj_(x).view({B, T, n_kv_heads_, head_dim_});  // (B, T, nkv, hd)
+  auto v = v_proj_(x).view({B, T, n_kv_heads_, head_dim_});
+  if (q_norm_) {
+    q = q_norm_(q);
+    k = k_norm_(k);
+  }
+  q = apply_rope(q.transpose(1, 2), cos, sin);  // (B, nh, T, hd)
+  k = apply_rope(k.transpose(1, 2), cos, sin);  // (B, nkv, T, hd)
+  v = v.transpose(1, 2);
+
+  bool causal = !mask.defined() && T > 1;
+  if (cache) {
+    const int64_t start = cache->length;
+    TORCH_CHECK(start + T <= cache->capacity(), "KV cache overflow: ", start, " + ", T, " > ", cache->capacity());
+    cache->k[layer_].narrow(2, start, T).copy_(k);
+    cache->v[layer_].narrow(2, start, T).copy_(v);
+    k = cache->k[layer_].narrow(2, 0, start + T);  // (B, nkv, S, hd)
+    v = cache->v[layer_].narrow(2, 0, start + T);
+    // SDPA's is_causal aligns the top-left corner, which is wrong once keys precede the queries.
+    TORCH_CHECK(!causal || start == 0, "a multi-token step over a non-empty KV cache needs an explicit mask");
+  }
+  std::optional<torch::Tensor> attn_mask;
+  if (mask.defined()) attn_mask = mask;
+  auto out = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal,
+                                              1.0 / std::sqrt(static_cast<double>(head_dim_)),
+                                              /*enable_gqa=*/n_kv_heads_ != n_heads_);  // (B, nh, T, hd)
+  return o_proj_(out.transpose(1, 2).reshape({B, T, n_heads_ * head_dim_}));
+}
+
+MLPImpl::MLPImpl(const ModelConfig& c) {
+  gate_proj_ = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+  up_proj_ = register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+  down_proj_ = register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+}
+
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
+  return down_proj_(F::silu(gate_proj_(x)) * up_proj_(x));
+}
+
+DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t layer) {
+  self_attn_ = register_module("self_attn", Attention(c, layer));
+  mlp_ = register_module("mlp", MLP(c));
+  input_layernorm_ = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  post_attention_layernorm_ = register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                        const torch::Tensor& mask, KVCache* cache) {
+  auto h = x + self_attn_(input_layernorm_(x), cos, sin, mask, cache);
+  return h + mlp_(post_attention_layernorm_(h));
+}
+
+DecoderImpl::DecoderImpl(const ModelConfig& c) : rotary_(c) {
+  embed_tokens_ = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  layers_ = register_module("layers", torch::nn::ModuleList());
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) layers_->push_back(DecoderLayer(c, l));
+  norm_ = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+torch::Tensor DecoderImpl::forward(const torch::Tensor& ids, const torch::Tensor& positions,
+                                   const torch::Tensor& mask, KVCache* cache) {
+  auto h = embed_tokens_(ids);  // (B, T, H)
+  auto [cos, sin] = rotary_.cos_sin(positions, h.scalar_type());
+  for (auto& layer : *layers_) h = layer->as<DecoderLayer>()->forward(h, cos, sin, mask, cache);
+  if (cache) cache->length += ids.size(1);
+  return norm_(h);
+}
+
+TransformerImpl::TransformerImpl(ModelConfig config) : config_(std::move(config)) {
+  model_ = register_module("model", Decoder(config_));
+  if (!config_.tie_word_embeddings)
+    lm_head_ = register_module("lm_head", linear(config_.hidden_size, config_.vocab_size, false));
+}
+
+torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const torch::Tensor& positions,
+                                       const torch::Tensor& mask, KVCache* cache) {
+  TORCH_CHECK(ids.dim() == 2, "ids must be [B, T], got ", ids.sizes());
+  TORCH_CHECK(positions.sizes() == ids.sizes(), "positions ", positions.sizes(), " must match ids ", ids.sizes());
+  return model_(ids, positions, mask, cache);
+}
+
+torch::Tensor TransformerImpl::lm_head_weight() {
+  return lm_head_ ? lm_head_->weight : model_->embed_tokens()->weight;
+}
+
+torch::Tensor TransformerImpl::logits(const torch::Tensor& hidden) {
+  return torch::nn::functional::linear(hidden, lm_head_weight());
+}
+
+torch::Tensor positions_from_mask(const torch::Tensor& token_mask) {
+  return (token_mask.to(torch::kLong).cumsum(-1) - 1).clamp_min(0);
+}
+
+torch::Tensor attention_mask(const torch::Tensor& token_mask, const torch::Tensor& positions) {
+  TORCH_CHECK(token_mask.dim() == 2 && token_mask.sizes() == positions.sizes(),
+              "token_mask ", token_mask.sizes(), " and positions ", positions.sizes(), " must both be [B, T]");
+  const int64_t T = positions.size(1);
+  auto doc = (positions == 0).to(torch::kLong).cumsum(-1);                          // [B, T]
+  auto same_doc = doc.unsqueeze(2) == doc.unsqueeze(1);                             // [B, T, T]
+  auto causal = torch::ones({T, T}, torch::dtype(torch::kBool).device(positions.device())).tril();
+  auto real_key = token_mask.to(torch::kBool).unsqueeze(1);                     // [B, 1, T]
+  auto self = torch::eye(T, torch::dtype(torch::kBool).device(positions.device()));
+  return (same_doc.logical_and(causal).logical_and(real_key)).logical_or(self).unsqueeze(1);  // [B, 1, T, T]
+}
+
+}  // namespace troupe

@@ -1,0 +1,55 @@
+// Perplexity evaluation: token log-probs chunk by chunk (kernels/logprobs), never full logits.
+#include "policy/perplexity.hpp"
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "kernels/logprobs.hpp"
+
+namespace troupe {
+
+PerplexityResult perplexity(TransformerImpl& model, const Tokenizer& tokenizer, const std::vector<std::string>& texts,
+                            int64_t batch_size, int64_t max_length) {
+  torch::NoGradGuard no_grad;
+  auto device = model.lm_head_weight().device();
+  double nll = 0;
+  int64_t count = 0;
+  for (size_t first = 0; first < texts.size(); first += batch_size) {
+    size_t last = std::min(texts.size(), first + static_cast<size_t>(batch_size));
+    std::vector<std::vector<int32_t>> rows;
+    int64_t T = 0;
+    for (size_t i = first; i < last; ++i) {
+      auto ids = tokenizer.encode(texts[i]);
+      if (static_cast<int64_t>(ids.size()) > max_length) ids.resize(max_length);
+      T = std::max<int64_t>(T, ids.size());
+      rows.push_back(std::move(ids));
+    }
+    if (T < 2) continue;
+    const int64_t B = rows.size();
+    auto ids = torch::zeros({B, T}, torch::kLong);
+    auto mask = torch::zeros({B, T}, torch::kLong);
+    for (int64_t b = 0; b < B; ++b) {
+      for (size_t t = 0; t < rows[b].size(); ++t) {
+        ids[b][t] = rows[b][t];
+        mask[b][t] = 1;
+      }
+    }
+    ids = ids.to(device);
+    mask = mask.to(device);
+    auto positions = positions_from_mask(mask);
+    auto hidden = model.forward(ids, positions, attention_mask(mask, positions));  // (B, T, H)
+    auto targets = ids.narrow(1, 1, T - 1);
+    auto logp = kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), targets);  // (B, T-1)
+    auto valid = mask.narrow(1, 1, T - 1).to(torch::kBool);
+    nll -= logp.masked_select(valid).sum().item<double>();
+    count += valid.sum().item<int64_t>();
+  }
+  PerplexityResult r;
+  r.tokens = count;
+  r.mean_nll = count ? nll / count : 0;
+  r.perplexity = std::exp(r.mean_nll);
+  return r;
+}
+
+}  // namespace troupe

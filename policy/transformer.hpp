@@ -1,0 +1,138 @@
+// The decoder-only transformer (Llama-3, Qwen2, Qwen3, SmolLM2) as LibTorch modules whose
+// parameter names are Hugging Face's. forward() stops at the final norm: the LM head is
+// applied by the caller, so losses can go chunk by chunk without a [B, T, vocab] tensor.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include "policy/model_config.hpp"
+
+namespace troupe {
+
+// Keys and values of past positions, allocated once: k[l], v[l] are [B, n_kv, capacity, head_dim].
+// Every row shares `length`; rows that started later are told apart by the attention mask.
+struct KVCache {
+  std::vector<torch::Tensor> k, v;
+  int64_t length = 0;
+
+  static KVCache allocate(const ModelConfig& config, int64_t batch, int64_t capacity,
+                          torch::TensorOptions options);
+  int64_t capacity() const { return k.empty() ? 0 : k[0].size(2); }
+};
+
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  torch::Tensor weight_;
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+// cos/sin tables for rotate-half RoPE, computed in float32 from the position ids.
+class RotaryEmbedding {
+ public:
+  explicit RotaryEmbedding(const ModelConfig& config);
+  // positions [B, T] -> cos, sin [B, T, head_dim] in `dtype`
+  std::pair<torch::Tensor, torch::Tensor> cos_sin(const torch::Tensor& positions, torch::ScalarType dtype);
+
+ private:
+  torch::Tensor inv_freq_;  // [head_dim / 2], float32; deliberately not a buffer, so casts keep it float32
+};
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  AttentionImpl(const ModelConfig& config, int64_t layer);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask, KVCache* cache);
+
+ private:
+  int64_t layer_, n_heads_, n_kv_heads_, head_dim_;
+  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, o_proj_{nullptr};
+  RMSNorm q_norm_{nullptr}, k_norm_{nullptr};
+};
+TORCH_MODULE(Attention);
+
+class MLPImpl : public torch::nn::Module {
+ public:
+  explicit MLPImpl(const ModelConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  torch::nn::Linear gate_proj_{nullptr}, up_proj_{nullptr}, down_proj_{nullptr};
+};
+TORCH_MODULE(MLP);
+
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  DecoderLayerImpl(const ModelConfig& config, int64_t layer);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask, KVCache* cache);
+
+ private:
+  Attention self_attn_{nullptr};
+  MLP mlp_{nullptr};
+  RMSNorm input_layernorm_{nullptr}, post_attention_layernorm_{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+// Hugging Face's LlamaModel / Qwen2Model / Qwen3Model: the trunk under the `model.` prefix.
+class DecoderImpl : public torch::nn::Module {
+ public:
+  explicit DecoderImpl(const ModelConfig& config);
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions,
+                        const torch::Tensor& mask, KVCache* cache);
+  torch::nn::Embedding& embed_tokens() { return embed_tokens_; }
+
+ private:
+  torch::nn::Embedding embed_tokens_{nullptr};
+  torch::nn::ModuleList layers_;
+  RMSNorm norm_{nullptr};
+  RotaryEmbedding rotary_;
+};
+TORCH_MODULE(Decoder);
+
+// Hugging Face's *ForCausalLM: `model.*` plus `lm_head.weight` unless embeddings are tied.
+class TransformerImpl : public torch::nn::Module {
+ public:
+  explicit TransformerImpl(ModelConfig config);
+
+  // ids [B, T] -> hidden states [B, T, hidden] after the final norm.
+  // positions [B, T]: RoPE positions (see positions_from_mask).
+  // mask [B, 1, T, S] bool, true where a query may attend a key, S = cached + T
+  //   (see attention_mask); undefined means plain causal attention over the cache and ids.
+  // With a cache, keys and values are appended at cache->length, which then advances by T.
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions,
+                        const torch::Tensor& mask = {}, KVCache* cache = nullptr);
+
+  // hidden [..., hidden] -> logits [..., vocab]; callers keep `hidden` to a chunk.
+  torch::Tensor logits(const torch::Tensor& hidden);
+  torch::Tensor lm_head_weight();  // the embedding matrix when tied
+  const ModelConfig& config() const { return config_; }
+
+ private:
+  ModelConfig config_;
+  Decoder model_{nullptr};
+  torch::nn::Linear lm_head_{nullptr};
+};
+TORCH_MODULE(Transformer);
+
+// token_mask [B, T] (1 = token, 0 = padding) -> positions [B, T] counting real tokens
+// from 0, so left- and right-padded rows get the positions of their unpadded selves.
+torch::Tensor positions_from_mask(const torch::Tensor& token_mask);
+
+// [B, 1, T, T] bool: causal, only real keys, and only keys of the same document, where a
+// document starts wherever positions is 0 (packed rows restart positions per document).
+// Each query may always see itself, so padded rows stay finite (their outputs are unused).
+torch::Tensor attention_mask(const torch::Tensor& token_mask, const torch::Tensor& positions);
+
+}  // namespace troupe
