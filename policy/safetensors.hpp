@@ -19,7 +19,8 @@ enum class Dtype { F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL };
 size_t dtype_size(Dtype dtype);
 std::string_view dtype_name(Dtype dtype);  // the header's spelling: "F32", "BF16", ...
 
-// One tensor inside a mapped file; `data` stays valid while the File lives.
+// One tensor inside a mapped file; `data` stays valid while the File lives. It need not be
+// aligned for the dtype (offsets are packed), so read it with memcpy or copy it out.
 struct TensorView {
   std::string name;
   Dtype dtype;
