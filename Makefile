@@ -32,7 +32,7 @@ demo: build
 	  --prompt "What is the capital of France? Answer in one sentence."
 
 bench: build
-	$(PY) bench/forward_throughput.py --troupe $(BUILD)/troupe --model $(MODEL)
+	$(PY) bench/forward_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_forward --model $(MODEL) --work $(BUILD)/bench_models/smollm2
 
 clean:
 	rm -rf $(BUILD)
