@@ -31,9 +31,18 @@ class ChatTemplate {
   std::string render(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
 
  private:
+  std::string render_chatml(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
+  std::string render_llama3(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
+
   Family family_ = Family::chatml;
-  std::string default_system_;  // inserted when the first message is not a system message
+  std::string default_system_;  // chatml: inserted when the first message is not a system message
+  bool qwen3_think_ = false;    // chatml: Qwen3's <think> block in assistant turns after the last query
   bool llama3_bos_ = true;      // llama3 templates open with <|begin_of_text|>
+  // Llama-3.1 and later always open with a system turn carrying these dates.
+  bool llama3_dated_system_ = false;
+  std::string knowledge_date_;  // "December 2023"
+  std::string today_date_;      // "26 Jul 2024", the template's fallback
+  bool today_from_clock_ = false;  // the template asks strftime_now("%d %b %Y"), as transformers gives it
 };
 
 }  // namespace troupe

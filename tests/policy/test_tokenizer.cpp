@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "policy/chat_template.hpp"
 #include "policy/error.hpp"
 #include "policy/gguf.hpp"
 #include "policy/tokenizer.hpp"
@@ -128,7 +129,9 @@ TEST_CASE("SmolLM2 GGUF tokenizer: ids and decodes match the smollm reference on
   CHECK(tok.pad_id() == 2);
   CHECK(tok.is_special(0));
   REQUIRE(tok.chat_template());
-  CHECK(tok.chat_template()->find("named SmolLM") != std::string::npos);
+  const auto chat = troupe::ChatTemplate::detect(*tok.chat_template(), "SmolLM2 GGUF");
+  const std::vector<troupe::ChatMessage> hi{{"user", "Hi"}};
+  CHECK(chat.render(hi, true).starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"));
   check_parity(tok, fixture_dir() / "smollm2.jsonl", "smollm2 gguf");
 }
 
