@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -221,8 +222,9 @@ void append_byte_level_decoded(std::string& out, std::string_view token) {
   const auto& alphabet = byte_alphabet();
   const size_t start = out.size();
   for (size_t i = 0; i < token.size();) {
-    const char32_t cp = next_code_point(token, i);
-    if (cp >= alphabet.to_byte.size() || alphabet.to_byte[cp] < 0) {
+    const bool valid = utf8_step(token, i).ok;  // GGUF token strings are arbitrary bytes
+    const char32_t cp = valid ? next_code_point(token, i) : 0;
+    if (!valid || cp >= alphabet.to_byte.size() || alphabet.to_byte[cp] < 0) {
       out.resize(start);
       out.append(token);
       return;
@@ -659,6 +661,21 @@ class TokenTrie {
   std::array<bool, 256> first_{};
 };
 
+// Where the run of whitespace that ends `s` begins, and where the one that starts it ends.
+size_t trailing_white_space_start(std::string_view s) {
+  size_t start = s.size();
+  while (start > 0 && is_white_space(last_code_point(s.substr(0, start)))) {
+    --start;
+    while (start > 0 && (static_cast<unsigned char>(s[start]) & 0xC0) == 0x80) --start;
+  }
+  return start;
+}
+size_t leading_white_space_end(std::string_view s) {
+  size_t end = 0;
+  for (size_t i = 0; i < s.size() && is_white_space(next_code_point(s, i));) end = i;
+  return end;
+}
+
 // A stretch of text, or an added token already recognised in it.
 struct Piece {
   std::string text;
@@ -712,6 +729,10 @@ void Tokenizer::Impl::finish() {
   int32_t max_id = -1;
   for (const auto& [token, id] : bpe.vocab) max_id = std::max(max_id, id);
   for (const AddedToken& t : added) max_id = std::max(max_id, t.id);
+  constexpr int32_t kMaxId = 1 << 24;  // far above real vocabularies; keeps the id table allocatable
+  if (max_id >= kMaxId)
+    throw Error(origin + ": token id " + std::to_string(max_id) + " is implausibly large (ids must be below " +
+                std::to_string(kMaxId) + ")");
   size = max_id + 1;
   vocab_tokens.assign(static_cast<size_t>(size), std::string());
   for (const auto& [token, id] : bpe.vocab) vocab_tokens[id] = token;
@@ -720,7 +741,10 @@ void Tokenizer::Impl::finish() {
     t.match_text = t.normalized ? normalize(*this, t.content) : t.content;
     added_by_id[t.id] = i;
     added_by_content[t.content] = t.id;
-    (t.normalized ? normalized_trie : raw_trie).add(t.match_text, static_cast<int32_t>(i));
+    // Text is valid UTF-8, so a token that is not (GGUF strings are raw bytes) can only match
+    // inside a character and split it; such a token stays decodable but is never matched.
+    if (utf8_invalid_at(t.match_text) == std::string_view::npos)
+      (t.normalized ? normalized_trie : raw_trie).add(t.match_text, static_cast<int32_t>(i));
   }
 }
 
@@ -742,24 +766,8 @@ void Tokenizer::Impl::split_added(std::string_view s, const TokenTrie& trie,
       const bool word_after = stop < s.size() && is_word_char(next_code_point(s, after));
       if (word_before || word_after) continue;
     }
-    if (token.lstrip) {
-      size_t new_start = start;
-      while (new_start > 0) {
-        const std::string_view head = s.substr(0, new_start);
-        const char32_t cp = last_code_point(head);
-        if (!is_white_space(cp)) break;
-        size_t back = new_start - 1;
-        while (back > 0 && (static_cast<unsigned char>(s[back]) & 0xC0) == 0x80) --back;
-        new_start = back;
-      }
-      start = std::max(new_start, start_offset);
-    }
-    if (token.rstrip) {
-      for (size_t i = stop; i < s.size();) {
-        if (!is_white_space(next_code_point(s, i))) break;
-        stop = i;
-      }
-    }
+    if (token.lstrip) start = std::max(trailing_white_space_start(s.substr(0, start)), start_offset);
+    if (token.rstrip) stop += leading_white_space_end(s.substr(stop));
     if (start_offset < start) out.push_back({std::string(s.substr(start_offset, start - start_offset))});
     out.push_back({std::string(s.substr(start, stop - start)), token.id});
     start_offset = stop;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -182,6 +183,19 @@ TEST_CASE("decode: invalid UTF-8 becomes U+FFFD exactly as tokenizers does; spec
   CHECK_THROWS_AS(tok.token(999999), troupe::Error);
 }
 
+TEST_CASE("encoding from several threads at once gives the same ids (shared cache, per-thread regex state)") {
+  const Tokenizer tok = Tokenizer::from_json_file(test::data() / "tokenizers/qwen3/tokenizer.json");
+  const auto lines = read_corpus(fixture_dir() / "qwen3.jsonl");
+  std::vector<size_t> wrong(4, 0);
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < wrong.size(); ++t)
+    threads.emplace_back([&, t] {
+      for (size_t i = t; i < lines.size(); i += 2) wrong[t] += tok.encode(lines[i].text) != lines[i].ids;
+    });
+  for (auto& thread : threads) thread.join();
+  for (size_t w : wrong) CHECK(w == 0);
+}
+
 TEST_CASE("encode rejects invalid UTF-8 with an error, not a crash") {
   const Tokenizer tok = Tokenizer::from_json_file(fixture_dir() / "smollm2/tokenizer.json");
   CHECK(error_of([&] { tok.encode("ok \xC3\x28 bad"); }).find("not valid UTF-8 (byte 3)") != std::string::npos);
@@ -252,6 +266,8 @@ TEST_CASE("bad tokenizer files give an error naming the file and the problem") {
                                                R"(, "merges": []}, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": 1}})"),
          "pre_tokenizer.add_prefix_space must be true or false");
   expect(write_file(dir / "array.json", "[1, 2]"), "the top level must be an object");
+  expect(write_file(dir / "huge_id.json", R"({"model": {"type": "BPE", "vocab": {"a": 2000000000}, "merges": []}})"),
+         "token id 2000000000 is implausibly large");
   expect(dir / "does_not_exist.json", "no such file or directory");
 
   // A folder whose config names a special token the vocabulary lacks.
