@@ -18,6 +18,10 @@ if(CUDAToolkit_FOUND AND TROUPE_TORCH_CUDA_VERSION)
 endif()
 
 add_library(troupe_torch INTERFACE)
+# libtorch.so exports its own copies of some std::filesystem functions (remove_all among
+# them) that crash when called from our code; naming libstdc++ first makes the dynamic
+# linker bind those symbols to the system library.
+target_link_libraries(troupe_torch INTERFACE -Wl,--push-state,--no-as-needed stdc++ -Wl,--pop-state)
 if(_troupe_use_torch_cuda)
   # A fixed arch list skips torch's GPU probe (a try_run that fails on machines without one).
   if(NOT TORCH_CUDA_ARCH_LIST)

@@ -160,7 +160,9 @@ LoadedModel load_model(const fs::path& path, const LoadOptions& options) {
   LoadedModel m;
   m.source = path;
   std::map<std::string, torch::Tensor> weights;
-  if (fs::is_directory(path)) {
+  if (!fs::exists(path)) {
+    throw Error(path.string() + ": no such file or folder");
+  } else if (fs::is_directory(path)) {
     m.config = ModelConfig::from_file(path / "config.json");
     weights = read_safetensors(safetensors::Checkpoint::open_dir(path));
     if (fs::exists(path / "generation_config.json")) m.generation_config = read_json(path / "generation_config.json");
@@ -170,8 +172,6 @@ LoadedModel load_model(const fs::path& path, const LoadOptions& options) {
     m.config = ModelConfig::from_json(gguf::hf_config(*file), path.string());
     weights = read_gguf(*file, m.config);
     if (options.tokenizer) m.tokenizer = Tokenizer::from_gguf(*file);
-  } else if (!fs::exists(path)) {
-    throw Error(path.string() + ": no such file or folder");
   } else {
     throw Error(path.string() + ": not a model (expected a Hugging Face folder with config.json, or a .gguf file)");
   }
