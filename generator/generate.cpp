@@ -18,7 +18,7 @@ GenerateResult generate(TransformerImpl& model, std::span<const int32_t> prompt,
   auto opts = torch::TensorOptions().dtype(torch::kLong).device(weight.device());
   const int64_t n = static_cast<int64_t>(prompt.size());
   auto cache = KVCache::allocate(model.config(), 1, n + params.max_tokens, weight.options());
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(params.seed);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(params.seed.value_or(0));
 
   auto ids = torch::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), opts).unsqueeze(0);  // (1, n)
   auto positions = torch::arange(n, opts).unsqueeze(0);

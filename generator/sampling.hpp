@@ -1,22 +1,34 @@
-// Choosing the next token from logits: greedy, or temperature sampling with an explicit
-// generator so a seed reproduces a run. Top-p/top-k/min-p and batching come with the engine.
+// Sampling parameters (vLLM's names) and the plain next-token choice used by the reference
+// generation loop: greedy, or temperature sampling with an explicit generator.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include <ATen/core/Generator.h>
 #include <torch/types.h>
 
 namespace troupe {
 
+// vLLM's sampling fields and meanings, where troupe supports them.
 struct SamplingParams {
-  double temperature = 0.0;  // 0 means greedy
-  int64_t max_tokens = 128;
-  uint64_t seed = 0;
+  int64_t n = 1;             // samples of the prompt; they share one prefill
+  double temperature = 1.0;  // 0 means greedy
+  double top_p = 1.0;        // nucleus: keep the smallest set of tokens with mass >= top_p
+  int64_t top_k = -1;        // keep the k most likely tokens; -1 (or 0) keeps all
+  double min_p = 0.0;        // drop tokens below min_p x the top token's probability
+  int64_t max_tokens = 16;   // new tokens at most
+  std::vector<int32_t> stop_token_ids;  // besides the model's end-of-sequence ids
+  std::vector<std::string> stop;        // stop strings (need a tokenizer)
+  bool include_stop_str_in_output = false;
+  bool ignore_eos = false;              // do not stop at the model's end-of-sequence ids
+  std::optional<uint64_t> seed;         // reproduces the samples whatever else is in the batch
 };
 
-// logits [B, V] -> ids [B]; greedy when temperature == 0.
+// logits [B, V] -> ids [B]; greedy when temperature == 0, else plain temperature sampling
+// (the reference loop's sampler; the engine also applies top-k, top-p and min-p).
 torch::Tensor sample_next(const torch::Tensor& logits, const SamplingParams& params, at::Generator& generator);
 
 }  // namespace troupe

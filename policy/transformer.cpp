@@ -105,7 +105,15 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   v = v.transpose(1, 2);
 
   bool causal = !mask.defined() && T > 1;
-  if (cache) {
+  if (cache && cache->write_index.defined()) {
+    TORCH_CHECK(T == 1 && mask.defined(), "per-row KV cache writes take one token per row and an explicit mask");
+    auto rows = torch::arange(B, cache->write_index.options());
+    using torch::indexing::Slice;
+    cache->k[layer_].index_put_({rows, Slice(), cache->write_index}, k.squeeze(2));  // (B, nkv, hd)
+    cache->v[layer_].index_put_({rows, Slice(), cache->write_index}, v.squeeze(2));
+    k = cache->k[layer_].narrow(2, 0, cache->span);  // (B, nkv, span, hd)
+    v = cache->v[layer_].narrow(2, 0, cache->span);
+  } else if (cache) {
     const int64_t start = cache->length;
     TORCH_CHECK(start + T <= cache->capacity(), "KV cache overflow: ", start, " + ", T, " > ", cache->capacity());
     cache->k[layer_].narrow(2, start, T).copy_(k);
@@ -158,7 +166,7 @@ torch::Tensor DecoderImpl::forward(const torch::Tensor& ids, const torch::Tensor
   auto h = embed_tokens_(ids);  // (B, T, H)
   auto [cos, sin] = rotary_.cos_sin(positions, h.scalar_type());
   for (auto& layer : *layers_) h = layer->as<DecoderLayer>()->forward(h, cos, sin, mask, cache);
-  if (cache) cache->length += ids.size(1);
+  if (cache && !cache->write_index.defined()) cache->length += ids.size(1);
   return norm_(h);
 }
 

@@ -21,6 +21,11 @@ namespace troupe {
 struct KVCache {
   std::vector<torch::Tensor> k, v;
   int64_t length = 0;
+  // Per-row mode, for decoding sequences of different lengths together (the engine): when
+  // defined, each row writes its one new key/value at write_index[r] and attends over keys
+  // [0, span), masked by the caller; `length` is then unused.
+  torch::Tensor write_index;  // [B] long
+  int64_t span = 0;
 
   static KVCache allocate(const ModelConfig& config, int64_t batch, int64_t capacity,
                           torch::TensorOptions options);

@@ -1,0 +1,442 @@
+// Continuous batching: a request's n samples share one prefill into free slots, then every
+// running sequence decodes one token per step() until it stops and frees its slot. The KV
+// cache is allocated once; a step attends only over slots [0, highest busy slot].
+#include "generator/engine.hpp"
+
+#include <algorithm>
+#include <set>
+
+#include <torch/torch.h>
+
+#include "policy/error.hpp"
+
+namespace troupe {
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::stop: return "stop";
+    case FinishReason::length: return "length";
+    case FinishReason::abort: return "abort";
+  }
+  return "?";
+}
+
+struct Engine::Sequence {
+  uint64_t request_id;
+  int64_t index;
+  std::shared_ptr<const std::vector<int32_t>> prompt;
+  std::shared_ptr<const SamplingParams> params;
+  std::shared_ptr<const std::vector<int32_t>> stop_ids;
+  uint64_t seed;  // of `generator`, to restart the same random stream
+  at::Generator generator;
+  std::vector<int32_t> ids;
+  std::vector<float> logprobs;
+  int64_t cached = 0;  // tokens whose keys/values are in the slot; ids.back() is not yet
+  bool stale = false;  // the slot's keys/values predate a weight update
+  int64_t slot = -1;
+  int64_t min_version = 0, max_version = 0;
+  std::optional<int32_t> stop_token;
+  std::optional<std::string> stop_string;
+  size_t stop_text_end = 0;  // text length to keep when a stop string matched
+};
+
+namespace {
+
+uint64_t mix_seed(uint64_t seed, uint64_t index) {
+  // splitmix64 of (seed, index): distinct, well-spread generator seeds per sample.
+  uint64_t z = seed + 0x9E3779B97F4A7C15ULL * (index + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// Restricts one row of probabilities [V] to the tokens top-k, top-p and min-p keep (then
+// multinomial renormalizes). The log-prob reported is taken before this truncation: it is
+// log_softmax(logits / T), the quantity a trainer recomputes from the full vocabulary, so
+// importance ratios compare like with like; truncation only decides which tokens can occur.
+torch::Tensor truncate(torch::Tensor probs, const SamplingParams& p) {
+  const int64_t V = probs.size(0);
+  if (p.min_p > 0) probs = probs.masked_fill(probs < p.min_p * probs.max(), 0);
+  if (p.top_k > 0 && p.top_k < V) {
+    auto kth = std::get<0>(probs.topk(p.top_k)).select(0, p.top_k - 1);
+    probs = probs.masked_fill(probs < kth, 0);
+  }
+  if (p.top_p < 1.0) {
+    auto [sorted, order] = probs.sort(/*dim=*/0, /*descending=*/true);
+    auto before = sorted.cumsum(0) - sorted;  // mass of the tokens ranked above each one
+    auto drop_sorted = before >= p.top_p * sorted.sum();
+    drop_sorted.index_put_({0}, false);  // the most likely token always stays
+    probs = probs.masked_fill(torch::zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0);
+  }
+  return probs;
+}
+
+}  // namespace
+
+Engine::Engine(Transformer model, std::optional<Tokenizer> tokenizer, EngineOptions options)
+    : model_(std::move(model)), tokenizer_(std::move(tokenizer)), options_(options),
+      default_generator_(at::make_generator<at::CPUGeneratorImpl>(options.seed)) {
+  if (options_.max_batch < 1) throw Error("engine: max_batch must be at least 1");
+  if (options_.max_seq_len < 2) throw Error("engine: max_seq_len must be at least 2");
+  const auto& c = model_->config();
+  for (int64_t id : c.eos_token_ids) eos_ids_.push_back(static_cast<int32_t>(id));
+  if (tokenizer_ && tokenizer_->eos_id()) eos_ids_.push_back(*tokenizer_->eos_id());
+  auto weight = model_->lm_head_weight();
+  cache_ = KVCache::allocate(c, options_.max_batch, options_.max_seq_len, weight.options());
+  slots_.resize(options_.max_batch);
+  model_->eval();
+}
+
+Engine::~Engine() = default;
+
+const ModelConfig& Engine::config() const { return model_->config(); }
+
+int64_t Engine::running() const {
+  return std::count_if(slots_.begin(), slots_.end(), [](const auto& s) { return s != nullptr; });
+}
+
+int64_t Engine::waiting() const { return static_cast<int64_t>(waiting_.size()); }
+
+bool Engine::has_work() const { return running() > 0 || !waiting_.empty() || !finished_.empty(); }
+
+std::vector<int32_t> Engine::stop_ids_for(const SamplingParams& params) const {
+  std::vector<int32_t> ids = params.stop_token_ids;
+  if (!params.ignore_eos) ids.insert(ids.end(), eos_ids_.begin(), eos_ids_.end());
+  return ids;
+}
+
+uint64_t Engine::add_request(std::vector<int32_t> prompt, SamplingParams params) {
+  const int64_t vocab = config().vocab_size;
+  auto bad = [](const std::string& what) { throw Error("generation request: " + what); };
+  if (prompt.empty()) bad("the prompt is empty");
+  for (int32_t id : prompt)
+    if (id < 0 || id >= vocab) bad("prompt token id " + std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  for (int32_t id : params.stop_token_ids)
+    if (id < 0 || id >= vocab) bad("stop token id " + std::to_string(id) + " is outside the vocabulary");
+  if (params.n < 1 || params.n > options_.max_batch)
+    bad("n = " + std::to_string(params.n) + " must be between 1 and max_batch (" + std::to_string(options_.max_batch) + ")");
+  if (params.max_tokens < 1) bad("max_tokens must be at least 1");
+  if (static_cast<int64_t>(prompt.size()) + params.max_tokens > options_.max_seq_len)
+    bad("prompt (" + std::to_string(prompt.size()) + " tokens) + max_tokens (" + std::to_string(params.max_tokens) +
+        ") exceeds max_seq_len " + std::to_string(options_.max_seq_len));
+  if (!(params.temperature >= 0)) bad("temperature must be >= 0");
+  if (!(params.top_p > 0 && params.top_p <= 1)) bad("top_p must be in (0, 1]");
+  if (!(params.min_p >= 0 && params.min_p <= 1)) bad("min_p must be in [0, 1]");
+  if (params.top_k < -1) bad("top_k must be -1 (off) or positive");
+  if (!params.stop.empty() && !tokenizer_) bad("stop strings need a tokenizer");
+  for (const auto& s : params.stop)
+    if (s.empty()) bad("stop strings must not be empty");
+
+  const uint64_t id = next_request_id_++;
+  auto shared_prompt = std::make_shared<const std::vector<int32_t>>(std::move(prompt));
+  auto shared_params = std::make_shared<const SamplingParams>(params);
+  auto stop_ids = std::make_shared<const std::vector<int32_t>>(stop_ids_for(params));
+  for (int64_t i = 0; i < params.n; ++i) {
+    auto seq = std::make_unique<Sequence>();
+    seq->request_id = id;
+    seq->index = i;
+    seq->prompt = shared_prompt;
+    seq->params = shared_params;
+    seq->stop_ids = stop_ids;
+    uint64_t base = params.seed ? *params.seed : default_generator_.get<at::CPUGeneratorImpl>()->random64();
+    seq->seed = mix_seed(base, i);
+    seq->generator = at::make_generator<at::CPUGeneratorImpl>(seq->seed);
+    waiting_.push_back(std::move(seq));
+  }
+  return id;
+}
+
+void Engine::abort(uint64_t request_id) {
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    if ((*it)->request_id == request_id) {
+      finished_.push_back(finish(**it, FinishReason::abort));
+      it = waiting_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto& slot : slots_) {
+    if (slot && slot->request_id == request_id) {
+      finished_.push_back(finish(*slot, FinishReason::abort));
+      slot.reset();
+    }
+  }
+}
+
+std::vector<Completion> Engine::step() {
+  torch::NoGradGuard no_grad;
+  for (auto& seq : slots_)
+    if (seq && seq->stale) refill(*seq);
+  admit();
+  decode();
+  std::vector<Completion> done;
+  done.swap(finished_);
+  return done;
+}
+
+// Fills free slots from the queue, the samples of one request together so they share a prefill.
+void Engine::admit() {
+  while (!waiting_.empty()) {
+    std::vector<int64_t> free;
+    for (int64_t s = 0; s < options_.max_batch; ++s)
+      if (!slots_[s]) free.push_back(s);
+    if (free.empty()) return;
+    std::vector<Sequence*> group;
+    const uint64_t request = waiting_.front()->request_id;
+    while (!waiting_.empty() && waiting_.front()->request_id == request && group.size() < free.size()) {
+      auto& slot = slots_[free[group.size()]];
+      slot = std::move(waiting_.front());
+      waiting_.pop_front();
+      slot->slot = free[group.size()];
+      group.push_back(slot.get());
+    }
+    prefill(group);
+  }
+}
+
+namespace {
+
+// logits [R, V] of the rows to sample -> (ids [R], log-probs [R]) with each row's own generator.
+std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Tensor& logits,
+                                                                 const std::vector<const SamplingParams*>& params,
+                                                                 std::vector<at::Generator*>& generators) {
+  auto l = logits.to(torch::kFloat32).cpu();
+  std::vector<int32_t> ids(params.size());
+  std::vector<float> logprobs(params.size());
+  for (size_t r = 0; r < params.size(); ++r) {
+    const SamplingParams& p = *params[r];
+    auto row = l[r];
+    // Greedy reports log-probs at temperature 1: the distribution whose mode it took.
+    auto logp = (p.temperature > 0 ? row / p.temperature : row).log_softmax(0);
+    int64_t id;
+    if (p.temperature > 0) {
+      auto probs = truncate(logp.exp(), p);
+      id = at::multinomial(probs, 1, false, *generators[r]).item<int64_t>();
+    } else {
+      id = row.argmax().item<int64_t>();
+    }
+    ids[r] = static_cast<int32_t>(id);
+    logprobs[r] = logp[id].item<float>();
+  }
+  return {ids, logprobs};
+}
+
+}  // namespace
+
+namespace {
+
+// Keys and values of `tokens` written into `slot` of the cache (its first tokens.size() positions).
+// Returns the hidden states [1, T, H].
+torch::Tensor fill_slot(TransformerImpl& model, KVCache& cache, int64_t slot, const std::vector<int32_t>& tokens) {
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  auto device = model.lm_head_weight().device();
+  KVCache view;  // the slot's rows of the cache; the forward writes straight into them
+  for (size_t l = 0; l < cache.k.size(); ++l) {
+    view.k.push_back(cache.k[l].narrow(0, slot, 1));
+    view.v.push_back(cache.v[l].narrow(0, slot, 1));
+  }
+  auto ids = torch::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), torch::kLong).to(device).unsqueeze(0);
+  auto positions = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(device)).unsqueeze(0);
+  return model.forward(ids, positions, {}, &view);
+}
+
+}  // namespace
+
+// After a weight update, a continuing sequence's cache is recomputed under the new weights,
+// so every token it samples from then on comes from exactly the new policy.
+void Engine::refill(Sequence& seq) {
+  std::vector<int32_t> tokens = *seq.prompt;
+  tokens.insert(tokens.end(), seq.ids.begin(), seq.ids.end() - 1);
+  fill_slot(*model_, cache_, seq.slot, tokens);
+  seq.stale = false;
+}
+
+void Engine::prefill(std::vector<Sequence*> group) {
+  const auto& prompt = *group.front()->prompt;
+  const int64_t P = static_cast<int64_t>(prompt.size());
+  const int64_t first = group.front()->slot;
+  auto hidden = fill_slot(*model_, cache_, first, prompt);                        // (1, P, H)
+  auto logits = model_->logits(hidden.select(1, P - 1)).expand({(int64_t)group.size(), -1});  // (n, V)
+  for (size_t i = 1; i < group.size(); ++i) {
+    for (size_t l = 0; l < cache_.k.size(); ++l) {
+      cache_.k[l][group[i]->slot].narrow(1, 0, P).copy_(cache_.k[l][first].narrow(1, 0, P));
+      cache_.v[l][group[i]->slot].narrow(1, 0, P).copy_(cache_.v[l][first].narrow(1, 0, P));
+    }
+  }
+  std::vector<const SamplingParams*> params;
+  std::vector<at::Generator*> generators;
+  for (Sequence* seq : group) {
+    params.push_back(seq->params.get());
+    generators.push_back(&seq->generator);
+  }
+  auto [next, logprobs] = sample_rows(logits, params, generators);
+  for (size_t i = 0; i < group.size(); ++i) {
+    Sequence& seq = *group[i];
+    seq.cached = P;
+    seq.min_version = seq.max_version = version_;
+    seq.ids.push_back(next[i]);
+    seq.logprobs.push_back(logprobs[i]);
+    if (check_finished(seq)) {
+      finished_.push_back(finish(seq, seq.stop_token || seq.stop_string ? FinishReason::stop : FinishReason::length));
+      slots_[seq.slot].reset();
+    }
+  }
+}
+
+void Engine::decode() {
+  int64_t rows = 0;
+  for (int64_t s = 0; s < options_.max_batch; ++s)
+    if (slots_[s]) rows = s + 1;
+  if (rows == 0) return;
+  auto device = model_->lm_head_weight().device();
+  auto long_opts = torch::TensorOptions().dtype(torch::kLong);
+  // Free rows in [0, rows) decode a dummy token at position 0 of their own slot: cheaper
+  // than gathering the busy rows' caches, and harmless since a prefill overwrites the slot.
+  std::vector<int64_t> tokens(rows, 0), lengths(rows, 0);
+  int64_t span = 1;
+  for (int64_t s = 0; s < rows; ++s) {
+    if (!slots_[s]) continue;
+    tokens[s] = slots_[s]->ids.back();
+    lengths[s] = slots_[s]->cached;
+    span = std::max(span, lengths[s] + 1);
+  }
+  auto ids = torch::tensor(tokens, long_opts).to(device).unsqueeze(1);         // (R, 1)
+  auto length = torch::tensor(lengths, long_opts).to(device);                   // (R)
+  auto mask = (torch::arange(span, long_opts.device(device)).unsqueeze(0) <= length.unsqueeze(1))
+                  .view({rows, 1, 1, span});                                    // (R, 1, 1, span)
+  KVCache view;
+  for (size_t l = 0; l < cache_.k.size(); ++l) {
+    view.k.push_back(cache_.k[l].narrow(0, 0, rows));
+    view.v.push_back(cache_.v[l].narrow(0, 0, rows));
+  }
+  view.write_index = length;
+  view.span = span;
+  auto hidden = model_->forward(ids, length.unsqueeze(1), mask, &view);         // (R, 1, H)
+
+  std::vector<int64_t> busy;
+  std::vector<const SamplingParams*> params;
+  std::vector<at::Generator*> generators;
+  for (int64_t s = 0; s < rows; ++s) {
+    if (!slots_[s]) continue;
+    busy.push_back(s);
+    params.push_back(slots_[s]->params.get());
+    generators.push_back(&slots_[s]->generator);
+  }
+  auto busy_rows = torch::tensor(busy, long_opts).to(device);
+  auto logits = model_->logits(hidden.select(1, 0).index_select(0, busy_rows));  // (A, V)
+  auto [next, logprobs] = sample_rows(logits, params, generators);
+  for (size_t i = 0; i < busy.size(); ++i) {
+    Sequence& seq = *slots_[busy[i]];
+    seq.cached += 1;
+    seq.ids.push_back(next[i]);
+    seq.logprobs.push_back(logprobs[i]);
+    seq.min_version = std::min(seq.min_version, version_);
+    seq.max_version = std::max(seq.max_version, version_);
+    if (check_finished(seq)) {
+      finished_.push_back(finish(seq, seq.stop_token || seq.stop_string ? FinishReason::stop : FinishReason::length));
+      slots_[busy[i]].reset();
+    }
+  }
+}
+
+bool Engine::check_finished(Sequence& seq) {
+  const SamplingParams& p = *seq.params;
+  const int32_t last = seq.ids.back();
+  if (std::find(seq.stop_ids->begin(), seq.stop_ids->end(), last) != seq.stop_ids->end()) {
+    seq.stop_token = last;
+    return true;
+  }
+  if (!p.stop.empty()) {
+    // Decoding the whole completion each step is quadratic but cheap at RL lengths, and
+    // it is the only way to see stop strings that span token boundaries.
+    std::string text = tokenizer_->decode(seq.ids, /*skip_special_tokens=*/true);
+    size_t best = std::string::npos;
+    const std::string* match = nullptr;
+    for (const auto& s : p.stop) {
+      size_t at = text.find(s);
+      if (at != std::string::npos && at < best) {
+        best = at;
+        match = &s;
+      }
+    }
+    if (match) {
+      seq.stop_string = *match;
+      seq.stop_text_end = best + (p.include_stop_str_in_output ? match->size() : 0);
+      return true;
+    }
+  }
+  return static_cast<int64_t>(seq.ids.size()) >= p.max_tokens;
+}
+
+Completion Engine::finish(Sequence& seq, FinishReason reason) {
+  Completion c;
+  c.request_id = seq.request_id;
+  c.index = seq.index;
+  c.prompt_ids = *seq.prompt;
+  c.ids = std::move(seq.ids);
+  c.logprobs = std::move(seq.logprobs);
+  c.finish_reason = reason;
+  c.stop_token = seq.stop_token;
+  c.stop_string = seq.stop_string;
+  c.min_version = seq.min_version;
+  c.max_version = seq.max_version;
+  if (tokenizer_) {
+    c.text = tokenizer_->decode(c.ids, /*skip_special_tokens=*/true);
+    if (c.stop_string) c.text.resize(std::min(c.text.size(), seq.stop_text_end));
+  }
+  return c;
+}
+
+std::vector<Completion> Engine::generate(const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params) {
+  std::set<uint64_t> mine;
+  for (const auto& p : prompts) mine.insert(add_request(p, params));
+  std::vector<Completion> out;
+  size_t expected = prompts.size() * params.n;
+  while (out.size() < expected) {
+    if (!has_work()) throw Error("engine: generate ran out of work before its requests finished");
+    for (auto& c : step())
+      if (mine.count(c.request_id)) out.push_back(std::move(c));
+  }
+  std::sort(out.begin(), out.end(), [](const Completion& a, const Completion& b) {
+    return std::tie(a.request_id, a.index) < std::tie(b.request_id, b.index);
+  });
+  return out;
+}
+
+void Engine::update_weights(const std::map<std::string, torch::Tensor>& weights, int64_t version) {
+  auto params = model_->named_parameters(/*recurse=*/true);
+  for (const auto& [name, t] : weights) {
+    const torch::Tensor* p = params.find(name);
+    if (!p) throw Error("weight update: unknown parameter '" + name + "'");
+    if (p->sizes() != t.sizes()) {
+      std::ostringstream s;
+      s << "weight update: '" << name << "' is " << t.sizes() << ", the model has " << p->sizes();
+      throw Error(s.str());
+    }
+  }
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, t] : weights) params[name].copy_(t);
+  }
+  version_ = version;
+  if (!options_.restart_on_weight_update) {
+    for (auto& seq : slots_)
+      if (seq) seq->stale = true;
+    return;
+  }
+  // Requeue running sequences at the front, in slot order, so they restart on the new weights.
+  for (auto it = slots_.rbegin(); it != slots_.rend(); ++it) {
+    if (!*it) continue;
+    auto& seq = **it;
+    seq.ids.clear();
+    seq.logprobs.clear();
+    seq.cached = 0;
+    seq.slot = -1;
+    seq.stop_token.reset();
+    seq.stop_string.reset();
+    seq.generator = at::make_generator<at::CPUGeneratorImpl>(seq.seed);
+    waiting_.push_front(std::move(*it));
+  }
+}
+
+}  // namespace troupe

@@ -1,0 +1,104 @@
+// The in-process generation engine: continuous batching over a preallocated KV cache, with
+// per-request sampling, behaviour log-probs and policy versions, and weight updates between
+// decode steps. Single-threaded: its owner (an actor, the server loop) calls step().
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Generator.h>
+#include <torch/types.h>
+
+#include "generator/sampling.hpp"
+#include "policy/tokenizer.hpp"
+#include "policy/transformer.hpp"
+
+namespace troupe {
+
+enum class FinishReason { stop, length, abort };
+const char* finish_reason_name(FinishReason reason);  // "stop", "length", "abort"
+
+struct Completion {
+  uint64_t request_id = 0;
+  int64_t index = 0;                // which of the request's n samples
+  std::vector<int32_t> prompt_ids;  // [P]
+  std::vector<int32_t> ids;         // [L] completion ids; a stop token that ended it is included
+  std::vector<float> logprobs;      // [L] log-prob of ids[i] under the distribution sampled from
+  FinishReason finish_reason = FinishReason::length;
+  std::optional<int32_t> stop_token;       // the stop token id that ended it, if any
+  std::optional<std::string> stop_string;  // the stop string that ended it, if any
+  std::string text;                 // decoded completion (stop string cut per the params); empty without tokenizer
+  int64_t min_version = 0;          // policy versions of the weights that produced its tokens
+  int64_t max_version = 0;
+};
+
+struct EngineOptions {
+  int64_t max_batch = 32;     // decode slots: sequences generated together
+  int64_t max_seq_len = 2048; // prompt + completion tokens a slot holds
+  // On update_weights: false lets running sequences continue, their caches recomputed under
+  // the new weights (their versions record the change); true discards their tokens and
+  // requeues them, so each completion comes from one version.
+  bool restart_on_weight_update = false;
+  uint64_t seed = 0;          // for requests without their own seed
+};
+
+class Engine {
+ public:
+  Engine(Transformer model, std::optional<Tokenizer> tokenizer, EngineOptions options = {});
+  ~Engine();
+
+  // Queues a request and returns its id. Throws Error for invalid parameters (empty prompt,
+  // ids outside the vocabulary, prompt + max_tokens above max_seq_len, n above max_batch, ...).
+  uint64_t add_request(std::vector<int32_t> prompt, SamplingParams params);
+  // Admits waiting requests into free slots (prefill), then decodes one token for every
+  // running sequence. Returns the completions that finished during this step.
+  std::vector<Completion> step();
+  bool has_work() const;
+  // Drops a request (waiting or running); its unfinished samples come back from the next
+  // step() with FinishReason::abort.
+  void abort(uint64_t request_id);
+
+  // Runs requests to completion (on top of anything already queued) and returns their
+  // completions ordered by request, then sample index.
+  std::vector<Completion> generate(const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params);
+
+  // Copies new weights in place, name for name (HF names; a subset is fine), and sets the
+  // policy version. Call between steps. Unknown names or shapes throw Error before any copy.
+  void update_weights(const std::map<std::string, torch::Tensor>& weights, int64_t version);
+  int64_t version() const { return version_; }
+
+  const ModelConfig& config() const;
+  const std::optional<Tokenizer>& tokenizer() const { return tokenizer_; }
+  const EngineOptions& options() const { return options_; }
+  int64_t running() const;  // sequences in slots
+  int64_t waiting() const;  // samples queued for a slot
+
+ private:
+  struct Sequence;
+  void admit();
+  void prefill(std::vector<Sequence*> group);
+  void refill(Sequence& seq);
+  void decode();
+  std::vector<int32_t> stop_ids_for(const SamplingParams& params) const;
+  bool check_finished(Sequence& seq);
+  Completion finish(Sequence& seq, FinishReason reason);
+
+  Transformer model_;
+  std::optional<Tokenizer> tokenizer_;
+  EngineOptions options_;
+  std::vector<int32_t> eos_ids_;
+  KVCache cache_;
+  std::vector<std::unique_ptr<Sequence>> slots_;  // [max_batch]; null when free
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<Completion> finished_;              // aborted while waiting, reported by step()
+  uint64_t next_request_id_ = 1;
+  int64_t version_ = 0;
+  at::Generator default_generator_;
+};
+
+}  // namespace troupe

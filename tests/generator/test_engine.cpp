@@ -1,0 +1,229 @@
+// The engine against independent computations: a plain token-by-token loop, one request at
+// a time, and log-probs recomputed by a full forward pass over prompt + completion.
+#include <doctest/doctest.h>
+
+#include <torch/torch.h>
+
+#include "generator/engine.hpp"
+#include "generator/generate.hpp"
+#include "policy/checkpoint.hpp"
+#include "policy/error.hpp"
+#include "tests/test_util.hpp"
+
+using namespace troupe;
+
+namespace {
+
+LoadedModel tiny(const std::string& name = "llama3") {
+  return load_model(test::fixtures() / "hf_models" / name, {.tokenizer = false});
+}
+
+std::vector<std::vector<int32_t>> prompts() {
+  return {{5, 9, 14, 20, 33}, {7, 8}, {100, 3, 44, 12, 19, 21, 150, 6, 77}, {42}, {11, 12, 13, 14}, {60, 61, 62}};
+}
+
+// log_softmax(logits / T) of each completion token, from one forward over prompt + completion.
+std::vector<float> recompute_logprobs(TransformerImpl& model, const Completion& c, double temperature) {
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> all(c.prompt_ids.begin(), c.prompt_ids.end());
+  all.insert(all.end(), c.ids.begin(), c.ids.end());
+  const int64_t P = c.prompt_ids.size(), L = c.ids.size();
+  auto ids = torch::tensor(all).unsqueeze(0);
+  auto hidden = model.forward(ids, torch::arange((int64_t)all.size()).unsqueeze(0));
+  auto logits = model.logits(hidden[0].narrow(0, P - 1, L));  // (L, V): row i predicts ids[i]
+  auto logp = (temperature > 0 ? logits / temperature : logits).log_softmax(-1);
+  auto target = torch::tensor(std::vector<int64_t>(c.ids.begin(), c.ids.end()));
+  auto picked = logp.gather(1, target.unsqueeze(1)).squeeze(1);
+  return std::vector<float>(picked.data_ptr<float>(), picked.data_ptr<float>() + L);
+}
+
+double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, (double)std::abs(a[i] - b[i]));
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("greedy engine output equals the plain token-by-token loop") {
+  auto m = tiny();
+  Engine engine(m.model, std::nullopt, {.max_batch = 4, .max_seq_len = 64});
+  SamplingParams greedy{.temperature = 0, .max_tokens = 20, .ignore_eos = true};
+  auto out = engine.generate(prompts(), greedy);
+  REQUIRE(out.size() == prompts().size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    auto ref = generate(*m.model, prompts()[i], greedy, {});
+    CHECK(out[i].ids == ref.ids);
+    CHECK(out[i].finish_reason == FinishReason::length);
+    CHECK(out[i].prompt_ids == prompts()[i]);
+  }
+}
+
+TEST_CASE("batched and one-at-a-time generation give the same tokens") {
+  auto m = tiny("qwen3");
+  for (double temperature : {0.0, 0.8}) {
+    CAPTURE(temperature);
+    SamplingParams params{.n = 2, .temperature = temperature, .top_p = 0.9, .max_tokens = 16, .ignore_eos = true,
+                          .seed = 1234};
+    Engine batched(m.model, std::nullopt, {.max_batch = 5, .max_seq_len = 64});
+    auto together = batched.generate(prompts(), params);
+    for (size_t i = 0; i < prompts().size(); ++i) {
+      Engine alone(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 64});
+      auto single = alone.generate({prompts()[i]}, params);
+      for (int64_t s = 0; s < 2; ++s) CHECK(together[2 * i + s].ids == single[s].ids);
+    }
+  }
+}
+
+TEST_CASE("a seed reproduces samples, and different seeds differ") {
+  auto m = tiny();
+  Engine engine(m.model, std::nullopt, {.max_batch = 8, .max_seq_len = 64});
+  SamplingParams params{.n = 4, .temperature = 1.0, .max_tokens = 24, .ignore_eos = true, .seed = 7};
+  auto a = engine.generate({prompts()[0]}, params);
+  auto b = engine.generate({prompts()[0]}, params);
+  params.seed = 8;
+  auto c = engine.generate({prompts()[0]}, params);
+  for (int i = 0; i < 4; ++i) CHECK(a[i].ids == b[i].ids);
+  CHECK(a[0].ids != c[0].ids);
+  CHECK(a[0].ids != a[1].ids);  // the n samples are not copies of each other
+}
+
+TEST_CASE("reported log-probs equal log_softmax(logits / T) from a full forward pass") {
+  for (const char* name : {"llama3", "qwen2"}) {
+    CAPTURE(std::string(name));
+    auto m = tiny(name);
+    Engine engine(m.model, std::nullopt, {.max_batch = 3, .max_seq_len = 64});
+    for (auto params : {SamplingParams{.n = 3, .temperature = 0.7, .top_p = 0.9, .top_k = 40, .max_tokens = 20,
+                                       .ignore_eos = true, .seed = 3},
+                        SamplingParams{.n = 1, .temperature = 0.0, .max_tokens = 12, .ignore_eos = true}}) {
+      auto out = engine.generate(prompts(), params);
+      double worst = 0;
+      for (const auto& c : out) {
+        REQUIRE(c.logprobs.size() == c.ids.size());
+        worst = std::max(worst, max_diff(c.logprobs, recompute_logprobs(*m.model, c, params.temperature)));
+      }
+      MESSAGE(std::string(name) << " T=" << params.temperature << " max abs log-prob error " << worst);
+      CHECK(worst < 1e-4);
+    }
+  }
+}
+
+TEST_CASE("top_k = 1 and min_p = 1 sample the greedy token") {
+  auto m = tiny();
+  Engine engine(m.model, std::nullopt, {.max_batch = 4, .max_seq_len = 64});
+  auto greedy = engine.generate(prompts(), {.temperature = 0, .max_tokens = 10, .ignore_eos = true});
+  auto top1 = engine.generate(prompts(), {.temperature = 1.5, .top_k = 1, .max_tokens = 10, .ignore_eos = true});
+  auto minp = engine.generate(prompts(), {.temperature = 1.5, .min_p = 1.0, .max_tokens = 10, .ignore_eos = true});
+  for (size_t i = 0; i < greedy.size(); ++i) {
+    CHECK(top1[i].ids == greedy[i].ids);
+    CHECK(minp[i].ids == greedy[i].ids);
+  }
+}
+
+TEST_CASE("stop tokens and stop strings end a completion with reason stop") {
+  auto m = tiny();
+  Engine engine(m.model, Tokenizer::load(test::data() / "tokenizers" / "qwen3"), {.max_batch = 4, .max_seq_len = 64});
+  SamplingParams greedy{.temperature = 0, .max_tokens = 20, .ignore_eos = true};
+  auto free_run = engine.generate({prompts()[2]}, greedy)[0];
+  REQUIRE(free_run.ids.size() == 20);
+
+  auto by_token = greedy;
+  by_token.stop_token_ids = {free_run.ids[5]};
+  auto c = engine.generate({prompts()[2]}, by_token)[0];
+  CHECK(c.finish_reason == FinishReason::stop);
+  CHECK(c.stop_token == free_run.ids[5]);
+  CHECK(c.ids.back() == free_run.ids[5]);
+  CHECK(c.ids.size() <= 6);
+
+  // A stop string made of two tokens' text stops there and is cut from the text.
+  std::string pair = engine.tokenizer()->decode(std::vector<int32_t>{free_run.ids[7], free_run.ids[8]});
+  auto by_string = greedy;
+  by_string.stop = {pair};
+  c = engine.generate({prompts()[2]}, by_string)[0];
+  CHECK(c.finish_reason == FinishReason::stop);
+  CHECK(c.stop_string == pair);
+  CHECK(c.text.find(pair) == std::string::npos);
+  by_string.include_stop_str_in_output = true;
+  c = engine.generate({prompts()[2]}, by_string)[0];
+  CHECK(c.text.size() >= pair.size());
+  CHECK(c.text.compare(c.text.size() - pair.size(), pair.size(), pair) == 0);
+}
+
+TEST_CASE("a weight update mid-run changes the tokens that follow and records both versions") {
+  auto m = tiny();
+  auto fresh = tiny();  // the same weights, perturbed into the "new policy"
+  std::map<std::string, torch::Tensor> update;
+  {
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(5);
+    for (auto& p : fresh.model->named_parameters()) {
+      p.value().add_(torch::randn_like(p.value()) * 0.05);
+      update[p.key()] = p.value().clone();
+    }
+  }
+  SamplingParams params{.temperature = 0.9, .max_tokens = 16, .ignore_eos = true, .seed = 11};
+
+  SUBCASE("running sequences continue and record the version change") {
+    Engine engine(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 64});
+    engine.add_request(prompts()[0], params);
+    for (int i = 0; i < 6; ++i) CHECK(engine.step().empty());  // step 1 prefills and decodes: 7 tokens
+    engine.update_weights(update, 1);
+    CHECK(engine.version() == 1);
+    std::vector<Completion> out;
+    while (out.empty()) out = engine.step();
+    const auto& c = out[0];
+    CHECK(c.min_version == 0);
+    CHECK(c.max_version == 1);
+    // Tokens 0..6 came from the old weights (now gone from `m`, so recompute with a fresh
+    // copy), tokens 7.. from the new ones, the cache having been recomputed.
+    auto old_model = tiny();
+    auto old_lp = recompute_logprobs(*old_model.model, c, params.temperature);
+    auto new_lp = recompute_logprobs(*fresh.model, c, params.temperature);
+    for (size_t i = 0; i < c.ids.size(); ++i) CHECK(std::abs(c.logprobs[i] - (i < 7 ? old_lp[i] : new_lp[i])) < 1e-4);
+    CHECK(max_diff(old_lp, new_lp) > 1e-3);  // the update really changed the distribution
+  }
+  SUBCASE("restart mode regenerates running sequences on the new weights") {
+    Engine engine(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 64, .restart_on_weight_update = true});
+    engine.add_request(prompts()[0], params);
+    for (int i = 0; i < 6; ++i) engine.step();
+    engine.update_weights(update, 3);
+    std::vector<Completion> out;
+    while (out.empty()) out = engine.step();
+    CHECK(out[0].min_version == 3);
+    CHECK(out[0].max_version == 3);
+    Engine on_new(fresh.model, std::nullopt, {.max_batch = 2, .max_seq_len = 64});
+    CHECK(out[0].ids == on_new.generate({prompts()[0]}, params)[0].ids);
+  }
+}
+
+TEST_CASE("abort returns the request's samples with reason abort") {
+  auto m = tiny();
+  Engine engine(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 64});
+  auto running = engine.add_request(prompts()[0], {.n = 2, .max_tokens = 30, .ignore_eos = true});
+  auto queued = engine.add_request(prompts()[1], {.n = 2, .max_tokens = 30, .ignore_eos = true});
+  engine.step();
+  CHECK(engine.running() == 2);
+  CHECK(engine.waiting() == 2);
+  engine.abort(queued);
+  engine.abort(running);
+  auto out = engine.step();
+  CHECK(out.size() == 4);
+  for (const auto& c : out) CHECK(c.finish_reason == FinishReason::abort);
+  CHECK(!engine.has_work());
+}
+
+TEST_CASE("invalid requests are refused with the reason") {
+  auto m = tiny();
+  Engine engine(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 32});
+  CHECK_THROWS_WITH_AS(engine.add_request({}, {}), doctest::Contains("the prompt is empty"), Error);
+  CHECK_THROWS_WITH_AS(engine.add_request({1, 999}, {}), doctest::Contains("prompt token id 999 is outside the vocabulary"), Error);
+  CHECK_THROWS_WITH_AS(engine.add_request({1, 2}, {.max_tokens = 40}), doctest::Contains("exceeds max_seq_len 32"), Error);
+  CHECK_THROWS_WITH_AS(engine.add_request({1, 2}, {.n = 3}), doctest::Contains("n = 3 must be between 1 and max_batch (2)"), Error);
+  CHECK_THROWS_WITH_AS(engine.add_request({1, 2}, {.top_p = 0}), doctest::Contains("top_p"), Error);
+  CHECK_THROWS_WITH_AS(engine.add_request({1, 2}, {.stop = {"x"}}), doctest::Contains("stop strings need a tokenizer"), Error);
+  std::map<std::string, torch::Tensor> bad = {{"model.norm.weight", torch::zeros({3})}};
+  CHECK_THROWS_WITH_AS(engine.update_weights(bad, 1), doctest::Contains("'model.norm.weight' is [3]"), Error);
+  CHECK_THROWS_WITH_AS(engine.update_weights({{"nope", torch::zeros({1})}}, 1), doctest::Contains("unknown parameter 'nope'"), Error);
+  CHECK(engine.version() == 0);
+}
