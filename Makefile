@@ -33,6 +33,7 @@ demo: build
 
 bench: build
 	$(PY) bench/forward_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_forward --model $(MODEL) --work $(BUILD)/bench_models/smollm2
+	$(PY) bench/generation_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_generate --model $(MODEL) --work $(BUILD)/bench_models/smollm2
 
 clean:
 	rm -rf $(BUILD)

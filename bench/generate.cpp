@@ -1,0 +1,42 @@
+// troupe's side of bench/generation_throughput.py: the engine generates n samples of each
+// prompt (token ids from a JSON file) to a fixed length; prints one JSON line with timings.
+#include <chrono>
+#include <fstream>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "generator/engine.hpp"
+#include "policy/checkpoint.hpp"
+
+int main(int argc, char** argv) {
+  std::string model_path, prompts_path, dtype_name = "float32";
+  int64_t n = 8, max_tokens = 128, max_batch = 128;
+  CLI::App app{"Time troupe's generation engine"};
+  app.add_option("--model", model_path)->required();
+  app.add_option("--prompts", prompts_path, "JSON list of token-id lists")->required();
+  app.add_option("--n", n);
+  app.add_option("--max-tokens", max_tokens);
+  app.add_option("--max-batch", max_batch);
+  app.add_option("--dtype", dtype_name);
+  CLI11_PARSE(app, argc, argv);
+
+  auto dtype = dtype_name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
+  auto m = troupe::load_model(model_path, {.dtype = dtype, .tokenizer = false});
+  auto prompts = nlohmann::json::parse(std::ifstream(prompts_path)).get<std::vector<std::vector<int32_t>>>();
+  int64_t longest = 0;
+  for (const auto& p : prompts) longest = std::max<int64_t>(longest, p.size());
+  troupe::Engine engine(m.model, std::nullopt, {.max_batch = max_batch, .max_seq_len = longest + max_tokens});
+  troupe::SamplingParams params{.n = n, .temperature = 1.0, .max_tokens = max_tokens, .ignore_eos = true, .seed = 0};
+  engine.generate({prompts[0]}, {.temperature = 0, .max_tokens = 4});  // warm-up
+  auto start = std::chrono::steady_clock::now();
+  auto out = engine.generate(prompts, params);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  int64_t tokens = 0;
+  for (const auto& c : out) tokens += c.ids.size();
+  std::cout << nlohmann::json{{"seconds", seconds}, {"tokens", tokens}, {"tokens_per_s", tokens / seconds}}.dump()
+            << std::endl;
+  return 0;
+}

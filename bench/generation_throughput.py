@@ -1,0 +1,70 @@
+"""Generation throughput of SmolLM2-135M-Instruct on CPU: troupe's engine against transformers.
+
+python bench/generation_throughput.py [--prompts 16 --n 8 --max-tokens 128]
+Both sides sample n completions of the same chat-formatted GSM8K prompts (the same token
+ids), at temperature 1, to exactly max-tokens new tokens each (EOS ignored), in float32 on
+the same threads; prints tokens/s for each and the ratio.
+"""
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--troupe", default="build/troupe")
+    p.add_argument("--bench", default="build/bench/bench_generate")
+    p.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--work", default="build/bench_models/smollm2")
+    p.add_argument("--data", default="../shared/data/gsm8k/test.jsonl")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    args = p.parse_args()
+
+    if not os.path.exists(os.path.join(args.work, "config.json")):
+        subprocess.run([args.troupe, "convert", args.model, args.work], check=True)
+    tok = AutoTokenizer.from_pretrained(args.work)
+    with open(args.data) as f:
+        questions = [json.loads(line)["question"] for line in f][: args.prompts]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in questions]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    out = subprocess.run([args.bench, "--model", args.work, "--prompts", f.name, "--n", str(args.n),
+                          "--max-tokens", str(args.max_tokens), "--max-batch", str(args.prompts * args.n)],
+                         check=True, capture_output=True, text=True).stdout
+    ours = json.loads(out.strip().splitlines()[-1])
+
+    model = AutoModelForCausalLM.from_pretrained(args.work, dtype=torch.float32).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    width = max(len(q) for q in prompts)
+    ids = torch.tensor([[pad] * (width - len(q)) + q for q in prompts])
+    mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts])
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             num_return_sequences=args.n, max_new_tokens=args.max_tokens,
+                             min_new_tokens=args.max_tokens, pad_token_id=pad)
+        seconds = time.perf_counter() - start
+    hf_tokens = (gen.shape[1] - width) * gen.shape[0]
+    theirs = {"tokens": hf_tokens, "seconds": seconds, "tokens_per_s": hf_tokens / seconds}
+
+    print(f"generation float32, {args.prompts} prompts x {args.n} samples x {args.max_tokens} new tokens, "
+          f"{torch.get_num_threads()} threads")
+    for name, r in (("troupe", ours), ("transformers", theirs)):
+        print(f"{name + ':':14}{r['tokens_per_s']:9.1f} tokens/s ({r['tokens']} tokens in {r['seconds']:.1f} s)")
+    print(f"ratio troupe / transformers: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
