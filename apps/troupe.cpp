@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "generator/generate.hpp"
+#include "generator/server.hpp"
 #include "policy/chat_template.hpp"
 #include "policy/checkpoint.hpp"
 #include "policy/error.hpp"
@@ -171,10 +172,27 @@ int main(int argc, char** argv) {
   convert_cmd->add_option("out_dir", convert_out, "The folder to write")->required();
   convert_cmd->add_option("--dtype", convert_dtype, "float32, bfloat16 or float16 on disk");
 
+  ServeOptions srv;
+  auto* serve_cmd = app.add_subcommand("serve", "Serve a model over vLLM's OpenAI-compatible HTTP API");
+  serve_cmd->add_option("--model", srv.model, "Hugging Face folder or .gguf file")->required();
+  serve_cmd->add_option("--host", srv.host, "Address to bind (default loopback only)");
+  serve_cmd->add_option("--port", srv.port, "Port; 0 picks a free one")->check(CLI::Range(0, 65535));
+  serve_cmd->add_option("--api-key", srv.api_key, "Require 'Authorization: Bearer KEY'");
+  serve_cmd->add_option("--served-model-name", srv.served_model_name, "The model name clients use (default: --model)");
+  serve_cmd->add_option("--dtype", srv.dtype, "float32, bfloat16 or float16");
+  serve_cmd->add_option("--device", srv.device, "cpu or cuda[:N]");
+  serve_cmd->add_option("--max-batch", srv.max_batch, "Sequences decoded together")->check(CLI::Range(1, 4096));
+  serve_cmd->add_option("--max-seq-len", srv.max_seq_len, "Prompt + completion tokens")->check(CLI::Range(2, 1 << 20));
+  serve_cmd->add_option("--seed", srv.seed, "Sampling seed for requests without one");
+  serve_cmd->add_option("--max-request-bytes", srv.max_request_bytes, "Largest request body")->check(CLI::Range(1024, 1 << 30));
+  serve_cmd->add_option("--max-n", srv.max_n, "Largest n per request")->check(CLI::Range(1, 4096));
+  serve_cmd->add_option("--max-tokens", srv.max_tokens, "Largest max_tokens per request")->check(CLI::Range(1, 1 << 20));
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*generate_cmd) return run_generate(gen);
     if (*tokenize_cmd) return run_tokenize(tokenizer_path, decode);
+    if (*serve_cmd) return serve(srv);
     if (*ppl_cmd) {
       auto m = load_model(ppl_model, {.dtype = parse_dtype(ppl_dtype)});
       auto texts = read_jsonl_field(ppl_data, ppl_field, ppl_limit);

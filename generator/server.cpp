@@ -1,0 +1,975 @@
+// `troupe serve`: vLLM's OpenAI-compatible routes, field names and error bodies over one
+// EngineLoop, so many HTTP clients share one batch. Requests are validated here, field by field,
+// before they reach the engine; no streaming, no penalties, no beam search (rejected, not ignored).
+#include "generator/server.hpp"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <cmath>
+#include <ctime>
+#include <filesystem>
+#include <iostream>
+#include <mutex>
+#include <random>
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "generator/engine_loop.hpp"
+#include "policy/chat_template.hpp"
+#include "policy/checkpoint.hpp"
+#include "policy/error.hpp"
+#include "policy/safetensors.hpp"
+
+namespace troupe {
+
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+// vLLM's cap on requested log-probs (its --max-logprobs default).
+constexpr int64_t kMaxLogprobs = 20;
+// vLLM clamps -inf log-probs to this so the JSON stays valid.
+constexpr double kMinLogprob = -9999.0;
+
+// ---------------------------------------------------------------------------------------
+// Errors: vLLM's ErrorResponse, {"error": {"message", "type", "param", "code"}}.
+
+struct HttpError : std::runtime_error {
+  HttpError(int status, std::string type, std::string param, const std::string& message)
+      : std::runtime_error(message), status(status), type(std::move(type)), param(std::move(param)) {}
+  int status;
+  std::string type;
+  std::string param;  // the request field at fault; empty for none
+};
+
+[[noreturn]] void bad(const std::string& param, const std::string& message) {
+  throw HttpError(400, "BadRequestError", param, message);
+}
+
+json error_body(int status, const std::string& type, const std::string& message, const std::string& param) {
+  return {{"error",
+           {{"message", message}, {"type", type}, {"param", param.empty() ? json(nullptr) : json(param)}, {"code", status}}}};
+}
+
+void send_json(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  // `replace`: a stray invalid byte in echoed input must not turn a reply into an exception.
+  res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+}
+
+void send_error(httplib::Response& res, int status, const std::string& type, const std::string& message,
+                const std::string& param = "") {
+  send_json(res, status, error_body(status, type, message, param));
+}
+
+// ---------------------------------------------------------------------------------------
+// Reading typed fields. Absent and null both mean "use the default", as in vLLM's pydantic models.
+
+const json* field(const json& body, const char* key) {
+  auto it = body.find(key);
+  return it == body.end() || it->is_null() ? nullptr : &*it;
+}
+
+std::string type_name(const json& v) { return v.type_name(); }
+
+// An integer, or a float with no fractional part (pydantic accepts 16.0 for an int); bools and
+// strings are wrong types, even "16".
+std::optional<int64_t> int_field(const json& body, const char* key) {
+  const json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (v->is_number_integer()) {
+    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+      bad(key, std::string("`") + key + "` is out of range");
+    return v->get<int64_t>();
+  }
+  if (v->is_number_float()) {
+    double d = v->get<double>();
+    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.2e18) return static_cast<int64_t>(d);
+  }
+  bad(key, std::string("`") + key + "` must be an integer, got " + type_name(*v) + " " + v->dump());
+}
+
+std::optional<double> number_field(const json& body, const char* key) {
+  const json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number()) bad(key, std::string("`") + key + "` must be a number, got " + type_name(*v) + " " + v->dump());
+  return v->get<double>();
+}
+
+std::optional<bool> bool_field(const json& body, const char* key) {
+  const json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_boolean()) bad(key, std::string("`") + key + "` must be a boolean, got " + type_name(*v) + " " + v->dump());
+  return v->get<bool>();
+}
+
+std::optional<std::string> string_field(const json& body, const char* key) {
+  const json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_string()) bad(key, std::string("`") + key + "` must be a string, got " + type_name(*v));
+  return v->get<std::string>();
+}
+
+// A list of token ids, each in [0, vocab).
+std::vector<int32_t> token_ids(const json& v, const std::string& param, int64_t vocab) {
+  if (!v.is_array()) bad(param, "`" + param + "` must be a list of token ids, got " + type_name(v));
+  std::vector<int32_t> ids;
+  ids.reserve(v.size());
+  for (const auto& x : v) {
+    if (!x.is_number_integer()) bad(param, "`" + param + "` must hold integer token ids, got " + x.dump());
+    if (x.is_number_unsigned() ? x.get<uint64_t>() >= static_cast<uint64_t>(vocab)
+                               : (x.get<int64_t>() < 0 || x.get<int64_t>() >= vocab))
+      bad(param, "token id " + x.dump() + " in `" + param + "` is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
+  }
+  return ids;
+}
+
+json parse_body(const httplib::Request& req, bool allow_empty = false) {
+  if (req.body.find_first_not_of(" \t\r\n") == std::string::npos) {
+    if (allow_empty) return json::object();
+    bad("", "the request body must be a JSON object");
+  }
+  json body;
+  try {
+    body = json::parse(req.body);
+  } catch (const json::parse_error& e) {
+    bad("", std::string("invalid JSON: ") + e.what());
+  }
+  if (!body.is_object()) bad("", "the request body must be a JSON object, got " + type_name(body));
+  return body;
+}
+
+// Fields troupe knows but does not implement: a value other than the neutral ones is rejected,
+// because silently ignoring (say) a penalty would change what is sampled.
+struct Unsupported {
+  const char* name;
+  std::vector<json> neutral;
+};
+
+void check_fields(const json& body, const char* route, const std::vector<std::string>& supported,
+                  const std::vector<Unsupported>& unsupported) {
+  std::vector<std::string> unknown;
+  for (const auto& [key, value] : body.items()) {
+    if (std::find(supported.begin(), supported.end(), key) != supported.end()) continue;
+    auto u = std::find_if(unsupported.begin(), unsupported.end(), [&](const Unsupported& x) { return key == x.name; });
+    if (u == unsupported.end()) {
+      unknown.push_back(key);
+      continue;
+    }
+    if (value.is_null() || std::find(u->neutral.begin(), u->neutral.end(), value) != u->neutral.end()) continue;
+    bad(key, "`" + key + "` = " + value.dump() + " is not supported by troupe serve");
+  }
+  if (unknown.empty()) return;
+  // vLLM's behaviour: extra fields are allowed and logged, not rejected.
+  std::string names;
+  for (const auto& k : unknown) names += (names.empty() ? "" : ", ") + k;
+  std::cerr << "troupe serve: " << route << ": ignoring unknown fields: " << names << std::endl;
+}
+
+const std::vector<Unsupported> kUnsupportedSampling = {
+    {"stream", {false}},
+    {"stream_options", {}},
+    {"echo", {false}},
+    {"best_of", {1}},
+    {"use_beam_search", {false}},
+    {"presence_penalty", {0}},
+    {"frequency_penalty", {0}},
+    {"repetition_penalty", {1}},
+    {"length_penalty", {1}},
+    {"min_tokens", {0}},
+    {"logit_bias", {json::object()}},
+    {"allowed_token_ids", {}},
+    {"bad_words", {json::array()}},
+    {"prompt_logprobs", {}},
+    {"truncate_prompt_tokens", {}},
+    {"skip_special_tokens", {true}},
+    {"spaces_between_special_tokens", {true}},
+    {"response_format", {json{{"type", "text"}}}},
+    {"structured_outputs", {}},
+    {"guided_json", {}},
+    {"guided_regex", {}},
+    {"guided_choice", {}},
+    {"suffix", {""}},
+    {"user", {}},  // accepted for any value: it only labels the caller
+    {"request_id", {}},
+    {"priority", {0}},
+    {"add_special_tokens", {true, false}},  // prompts are encoded as given; no BOS is added either way
+};
+
+const std::vector<std::string> kSamplingFields = {
+    "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "return_token_ids", "return_tokens_as_token_ids"};
+
+std::vector<std::string> with(std::vector<std::string> a, std::initializer_list<const char*> more) {
+  a.insert(a.end(), more.begin(), more.end());
+  return a;
+}
+
+std::vector<Unsupported> with(std::vector<Unsupported> a, std::initializer_list<Unsupported> more) {
+  a.insert(a.end(), more.begin(), more.end());
+  return a;
+}
+
+// ---------------------------------------------------------------------------------------
+// Small helpers for the responses.
+
+std::string random_hex(size_t chars) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  static const char* digits = "0123456789abcdef";
+  std::string s;
+  while (s.size() < chars) {
+    uint64_t r = rng();
+    for (int i = 0; i < 16 && s.size() < chars; ++i, r >>= 4) s += digits[r & 15];
+  }
+  return s;
+}
+
+int64_t now_seconds() { return static_cast<int64_t>(std::time(nullptr)); }
+
+size_t utf8_length(const std::string& s) {
+  return std::count_if(s.begin(), s.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
+}
+
+json utf8_bytes(const std::string& s) {
+  json b = json::array();
+  for (unsigned char c : s) b.push_back(static_cast<int>(c));
+  return b;
+}
+
+double clamp_logprob(float lp) { return std::max<double>(lp, kMinLogprob); }
+
+std::vector<int64_t> shape_of(const torch::Tensor& t) { return t.sizes().vec(); }
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+torch::Dtype parse_dtype(const std::string& name) {
+  if (name == "float32") return torch::kFloat32;
+  if (name == "bfloat16") return torch::kBFloat16;
+  if (name == "float16") return torch::kFloat16;
+  throw Error("--dtype '" + name + "': expected float32, bfloat16 or float16");
+}
+
+torch::Device parse_device(const std::string& name) {
+  try {
+    return torch::Device(name);
+  } catch (const std::exception&) {
+    throw Error("--device '" + name + "': expected cpu, cuda or cuda:N");
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// One request's sampling fields, validated, plus the response options that go with them.
+
+struct Sampling {
+  SamplingParams params;
+  bool max_tokens_given = false;
+  std::vector<int32_t> requested_stop_ids;  // the client's own stop_token_ids (for stop_reason)
+  bool logprobs = false;
+  int64_t top_logprobs = 0;
+  bool return_token_ids = false;
+  bool tokens_as_ids = false;
+};
+
+// ---------------------------------------------------------------------------------------
+// The service: the routes' logic, independent of the HTTP library.
+
+class Service {
+ public:
+  Service(const ServeOptions& options, LoadedModel model);
+
+  json health() const;
+  json models() const;
+  json completions(const json& body);
+  json chat_completions(const json& body);
+  json tokenize(const json& body) const;
+  json detokenize(const json& body) const;
+  json start_weight_update(const json& body);
+  json update_weights(const json& body);
+  json finish_weight_update(const json& body);
+  json pause();
+  json resume();
+  json is_paused() const { return {{"is_paused", loop_->paused()}}; }
+  json weight_version() const { return {{"weight_version", loop_->version()}}; }
+
+  bool authorized(const httplib::Request& req) const;
+  const ServeOptions& options() const { return options_; }
+  void stop() { loop_->stop(); }
+
+ private:
+  const Tokenizer& tokenizer(const char* param) const;
+  const ChatTemplate& chat_template() const;
+  void check_model(const json& body) const;
+  Sampling parse_sampling(const json& body, bool chat) const;
+  void fit_max_tokens(Sampling& s, int64_t prompt_tokens, const char* prompt_param) const;
+  std::vector<std::vector<int32_t>> parse_prompts(const json& body) const;
+  std::vector<ChatMessage> parse_messages(const json& body) const;
+  std::vector<std::vector<Completion>> generate(const std::vector<std::vector<int32_t>>& prompts, const Sampling& s);
+  json stop_reason(const Completion& c, const Sampling& s) const;
+  std::string token_text(int32_t id, bool as_id) const;
+  json completion_logprobs(const Completion& c, const Sampling& s) const;
+  json chat_logprobs(const Completion& c, const Sampling& s) const;
+  std::map<std::string, torch::Tensor> read_update_dir(const std::string& path) const;
+
+  ServeOptions options_;
+  std::string model_name_;
+  ModelConfig config_;
+  std::optional<Tokenizer> tokenizer_;
+  std::optional<ChatTemplate> chat_template_;
+  std::string chat_template_error_;  // why chat is unavailable, when it is
+  std::vector<int32_t> end_of_turn_ids_;
+  std::map<std::string, std::vector<int64_t>> param_shapes_;  // to check weight updates before staging them
+  std::unique_ptr<EngineLoop> loop_;
+
+  std::mutex update_mutex_;
+  std::map<std::string, torch::Tensor> staged_;  // tensors of /update_weights, applied at /finish_weight_update
+};
+
+Service::Service(const ServeOptions& options, LoadedModel m)
+    : options_(options),
+      model_name_(options.served_model_name.empty() ? options.model : options.served_model_name),
+      config_(m.config),
+      tokenizer_(m.tokenizer) {
+  if (options_.max_n < 1) throw Error("--max-n must be at least 1");
+  if (options_.max_tokens < 1) throw Error("--max-tokens must be at least 1");
+  if (options_.max_prompts < 1) throw Error("max_prompts must be at least 1");
+  if (tokenizer_) {
+    if (tokenizer_->chat_template()) {
+      try {
+        chat_template_ = ChatTemplate::detect(*tokenizer_->chat_template(), options.model);
+      } catch (const Error& e) {
+        chat_template_error_ = e.what();
+      }
+    } else {
+      chat_template_error_ = options.model + ": the tokenizer has no chat template; use /v1/completions";
+    }
+    // The engine stops at the config's and tokenizer's end-of-sequence ids; chat models also
+    // end a turn with their template's end-of-turn token, which vLLM gets from generation_config.
+    for (const char* t : {"<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>"})
+      if (auto id = tokenizer_->token_id(t)) end_of_turn_ids_.push_back(*id);
+  } else {
+    chat_template_error_ = options.model + ": no tokenizer next to the model; chat needs one";
+  }
+  for (const auto& p : m.model->named_parameters(/*recurse=*/true)) param_shapes_[p.key()] = shape_of(p.value());
+  EngineOptions eo{.max_batch = options.max_batch, .max_seq_len = options.max_seq_len, .seed = options.seed};
+  loop_ = std::make_unique<EngineLoop>(std::make_unique<Engine>(m.model, m.tokenizer, eo));
+}
+
+bool Service::authorized(const httplib::Request& req) const {
+  if (options_.api_key.empty()) return true;
+  const std::string expected = "Bearer " + options_.api_key;
+  const std::string got = req.get_header_value("Authorization");
+  // Constant time in the key's length, so timing does not reveal how much of a guess matched.
+  unsigned diff = got.size() != expected.size();
+  for (size_t i = 0; i < expected.size(); ++i) diff |= static_cast<unsigned char>(expected[i]) ^ static_cast<unsigned char>(i < got.size() ? got[i] : 0);
+  return diff == 0;
+}
+
+const Tokenizer& Service::tokenizer(const char* param) const {
+  if (!tokenizer_) bad(param, options_.model + ": this model has no tokenizer; send token ids");
+  return *tokenizer_;
+}
+
+const ChatTemplate& Service::chat_template() const {
+  if (!chat_template_) bad("messages", chat_template_error_);
+  return *chat_template_;
+}
+
+json Service::health() const {
+  if (loop_->stopped()) throw HttpError(503, "ServiceUnavailableError", "", "the engine is shutting down");
+  return nullptr;
+}
+
+json Service::models() const {
+  json card = {{"id", model_name_},
+               {"object", "model"},
+               {"created", now_seconds()},
+               {"owned_by", "troupe"},
+               {"root", options_.model},
+               {"parent", nullptr},
+               {"max_model_len", options_.max_seq_len},
+               {"permission", json::array()}};
+  return {{"object", "list"}, {"data", json::array({card})}};
+}
+
+void Service::check_model(const json& body) const {
+  auto model = string_field(body, "model");
+  // vLLM answers an unknown model with 404 NotFoundError.
+  if (model && *model != model_name_)
+    throw HttpError(404, "NotFoundError", "model", "The model `" + *model + "` does not exist.");
+}
+
+Sampling Service::parse_sampling(const json& body, bool chat) const {
+  Sampling s;
+  SamplingParams& p = s.params;
+  const int64_t n_limit = std::min(options_.max_n, options_.max_batch);
+  if (auto n = int_field(body, "n")) {
+    if (*n < 1) bad("n", "n must be at least 1, got " + std::to_string(*n));
+    if (*n > n_limit)
+      bad("n", "n = " + std::to_string(*n) + " exceeds this server's limit of " + std::to_string(n_limit) +
+                   " (--max-n, --max-batch)");
+    p.n = *n;
+  }
+  auto max_tokens = int_field(body, "max_tokens");
+  const char* max_tokens_param = "max_tokens";
+  if (chat && !max_tokens) {  // the OpenAI chat API's newer name
+    max_tokens = int_field(body, "max_completion_tokens");
+    max_tokens_param = "max_completion_tokens";
+  }
+  if (max_tokens) {
+    if (*max_tokens < 1) bad(max_tokens_param, std::string(max_tokens_param) + " must be at least 1, got " + std::to_string(*max_tokens));
+    if (*max_tokens > options_.max_tokens)
+      bad(max_tokens_param, std::string(max_tokens_param) + " = " + std::to_string(*max_tokens) +
+                                " exceeds this server's limit of " + std::to_string(options_.max_tokens) + " (--max-tokens)");
+    p.max_tokens = *max_tokens;
+    s.max_tokens_given = true;
+  }
+  if (auto t = number_field(body, "temperature")) {
+    if (!(*t >= 0) || !std::isfinite(*t)) bad("temperature", "temperature must be non-negative, got " + std::to_string(*t));
+    p.temperature = *t;
+  }
+  if (auto t = number_field(body, "top_p")) {
+    if (!(*t > 0 && *t <= 1)) bad("top_p", "top_p must be in (0, 1], got " + std::to_string(*t));
+    p.top_p = *t;
+  }
+  if (auto k = int_field(body, "top_k")) {
+    if (*k < -1) bad("top_k", "top_k must be -1 or 0 (disable), or at least 1, got " + std::to_string(*k));
+    p.top_k = *k;
+  }
+  if (auto m = number_field(body, "min_p")) {
+    if (!(*m >= 0 && *m <= 1)) bad("min_p", "min_p must be in [0, 1], got " + std::to_string(*m));
+    p.min_p = *m;
+  }
+  if (auto seed = int_field(body, "seed")) p.seed = static_cast<uint64_t>(*seed);
+  if (const json* stop = field(body, "stop")) {
+    if (stop->is_string()) {
+      p.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      for (const auto& x : *stop) {
+        if (!x.is_string()) bad("stop", "`stop` must be a string or a list of strings, got " + x.dump() + " in the list");
+        p.stop.push_back(x.get<std::string>());
+      }
+    } else {
+      bad("stop", "`stop` must be a string or a list of strings, got " + type_name(*stop));
+    }
+    for (const auto& x : p.stop)
+      if (x.empty()) bad("stop", "stop strings must not be empty");
+    if (!p.stop.empty()) tokenizer("stop");
+  }
+  if (const json* ids = field(body, "stop_token_ids")) s.requested_stop_ids = token_ids(*ids, "stop_token_ids", config_.vocab_size);
+  p.include_stop_str_in_output = bool_field(body, "include_stop_str_in_output").value_or(false);
+  p.ignore_eos = bool_field(body, "ignore_eos").value_or(false);
+  p.stop_token_ids = s.requested_stop_ids;
+  if (!p.ignore_eos) p.stop_token_ids.insert(p.stop_token_ids.end(), end_of_turn_ids_.begin(), end_of_turn_ids_.end());
+  s.return_token_ids = bool_field(body, "return_token_ids").value_or(false);
+  s.tokens_as_ids = bool_field(body, "return_tokens_as_token_ids").value_or(false);
+
+  if (chat) {  // chat: "logprobs": bool, "top_logprobs": int
+    s.logprobs = bool_field(body, "logprobs").value_or(false);
+    if (auto k = int_field(body, "top_logprobs")) {
+      if (*k < 0 || *k > kMaxLogprobs)
+        bad("top_logprobs", "top_logprobs must be in [0, " + std::to_string(kMaxLogprobs) + "], got " + std::to_string(*k));
+      if (*k > 0 && !s.logprobs) bad("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true");
+      s.top_logprobs = *k;
+    }
+  } else if (auto k = int_field(body, "logprobs")) {  // completions: "logprobs": int
+    if (*k < 0 || *k > kMaxLogprobs)
+      bad("logprobs", "logprobs must be in [0, " + std::to_string(kMaxLogprobs) + "], got " + std::to_string(*k));
+    s.logprobs = true;
+    s.top_logprobs = *k;
+  }
+  return s;
+}
+
+// Chat without max_tokens may use the rest of the sequence (as vLLM does); with it, the prompt
+// and the completion must fit in max_seq_len.
+void Service::fit_max_tokens(Sampling& s, int64_t prompt_tokens, const char* prompt_param) const {
+  const int64_t room = options_.max_seq_len - prompt_tokens;
+  if (!s.max_tokens_given && room >= 1) s.params.max_tokens = std::min({s.params.max_tokens, room});
+  if (prompt_tokens + s.params.max_tokens > options_.max_seq_len)
+    bad(s.max_tokens_given ? "max_tokens" : prompt_param,
+        "This model's maximum context length is " + std::to_string(options_.max_seq_len) + " tokens (--max-seq-len). However, you requested " +
+            std::to_string(prompt_tokens + s.params.max_tokens) + " tokens (" + std::to_string(prompt_tokens) + " in the prompt, " +
+            std::to_string(s.params.max_tokens) + " in the completion). Please reduce the length of the prompt or completion.");
+}
+
+// "prompt": text, token ids, or a list of either (one request per prompt).
+std::vector<std::vector<int32_t>> Service::parse_prompts(const json& body) const {
+  const json* prompt = field(body, "prompt");
+  if (!prompt) bad("prompt", "`prompt` is required: a string, a list of token ids, or a list of either");
+  auto encode = [&](const json& text) {
+    if (text.get_ref<const std::string&>().empty()) bad("prompt", "the prompt must not be empty");
+    return tokenizer("prompt").encode(text.get<std::string>());
+  };
+  auto ids = [&](const json& list) {
+    if (list.empty()) bad("prompt", "the prompt must not be empty");
+    return token_ids(list, "prompt", config_.vocab_size);
+  };
+  if (prompt->is_string()) return {encode(*prompt)};
+  if (!prompt->is_array())
+    bad("prompt", "`prompt` must be a string, a list of token ids, or a list of either; got " + type_name(*prompt));
+  if (prompt->empty()) bad("prompt", "the prompt must not be empty");
+  if (std::all_of(prompt->begin(), prompt->end(), [](const json& x) { return x.is_number(); })) return {ids(*prompt)};
+  if (static_cast<int64_t>(prompt->size()) > options_.max_prompts)
+    bad("prompt", std::to_string(prompt->size()) + " prompts in one request exceed this server's limit of " +
+                      std::to_string(options_.max_prompts));
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& x : *prompt) {
+    if (x.is_string()) out.push_back(encode(x));
+    else if (x.is_array()) out.push_back(ids(x));
+    else bad("prompt", "each prompt in the list must be a string or a list of token ids, got " + x.dump());
+  }
+  return out;
+}
+
+// Runs every prompt as its own engine request, all at once, so they share the batch.
+std::vector<std::vector<Completion>> Service::generate(const std::vector<std::vector<int32_t>>& prompts, const Sampling& s) {
+  std::vector<std::future<std::vector<Completion>>> futures;
+  for (const auto& p : prompts) futures.push_back(loop_->submit(p, s.params));
+  std::vector<std::vector<Completion>> out;
+  std::string error;
+  for (auto& f : futures) {
+    try {
+      out.push_back(f.get());
+    } catch (const std::exception& e) {
+      if (error.empty()) error = e.what();  // keep waiting: every future must be drained
+    }
+  }
+  if (error.empty()) return out;
+  if (loop_->stopped()) throw HttpError(503, "ServiceUnavailableError", "", error);
+  bad("", error);
+}
+
+json Service::stop_reason(const Completion& c, const Sampling& s) const {
+  // vLLM: the stop string or the client's stop token id; null for end-of-sequence and length.
+  if (c.stop_string) return *c.stop_string;
+  if (c.stop_token && std::count(s.requested_stop_ids.begin(), s.requested_stop_ids.end(), *c.stop_token)) return *c.stop_token;
+  return nullptr;
+}
+
+std::string Service::token_text(int32_t id, bool as_id) const {
+  if (as_id || !tokenizer_) return "token_id:" + std::to_string(id);
+  return tokenizer_->decode(std::span<const int32_t>(&id, 1));
+}
+
+// The OpenAI completions logprobs object. token_logprobs are the engine's behaviour log-probs:
+// log-softmax of logits / temperature (temperature 1 when greedy), before top-k/top-p/min-p.
+// top_logprobs holds the sampled token only, whatever `logprobs` asked for.
+json Service::completion_logprobs(const Completion& c, const Sampling& s) const {
+  json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  size_t offset = 0;
+  for (size_t i = 0; i < c.ids.size(); ++i) {
+    std::string t = token_text(c.ids[i], s.tokens_as_ids);
+    double lp = clamp_logprob(c.logprobs[i]);
+    tokens.push_back(t);
+    lps.push_back(lp);
+    tops.push_back(json{{t, lp}});
+    offsets.push_back(offset);
+    offset += utf8_length(t);
+  }
+  return {{"text_offset", offsets}, {"token_logprobs", lps}, {"tokens", tokens}, {"top_logprobs", tops}};
+}
+
+// The chat logprobs object; top_logprobs lists the sampled token only (when top_logprobs > 0).
+json Service::chat_logprobs(const Completion& c, const Sampling& s) const {
+  json content = json::array();
+  for (size_t i = 0; i < c.ids.size(); ++i) {
+    std::string t = token_text(c.ids[i], s.tokens_as_ids);
+    json entry = {{"token", t}, {"logprob", clamp_logprob(c.logprobs[i])}, {"bytes", utf8_bytes(t)}};
+    entry["top_logprobs"] = s.top_logprobs > 0 ? json::array({entry}) : json::array();
+    content.push_back(entry);
+  }
+  return {{"content", content}};
+}
+
+json troupe_extension(const Completion& c) {
+  // Policy versions of the weights that produced this choice's tokens (RL staleness bookkeeping).
+  return {{"min_version", c.min_version}, {"max_version", c.max_version}};
+}
+
+json usage(int64_t prompt_tokens, int64_t completion_tokens) {
+  return {{"prompt_tokens", prompt_tokens},
+          {"completion_tokens", completion_tokens},
+          {"total_tokens", prompt_tokens + completion_tokens},
+          {"prompt_tokens_details", nullptr}};
+}
+
+json Service::completions(const json& body) {
+  check_fields(body, "/v1/completions", with(kSamplingFields, {"prompt", "logprobs"}), kUnsupportedSampling);
+  check_model(body);
+  Sampling s = parse_sampling(body, /*chat=*/false);
+  auto prompts = parse_prompts(body);
+  for (const auto& p : prompts) fit_max_tokens(s, static_cast<int64_t>(p.size()), "prompt");
+  auto results = generate(prompts, s);
+
+  json choices = json::array();
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  for (size_t r = 0; r < results.size(); ++r) {
+    prompt_tokens += static_cast<int64_t>(prompts[r].size());
+    for (const Completion& c : results[r]) {
+      completion_tokens += static_cast<int64_t>(c.ids.size());
+      json choice = {{"index", static_cast<int64_t>(r) * s.params.n + c.index},
+                     {"text", c.text},
+                     {"logprobs", s.logprobs ? completion_logprobs(c, s) : json(nullptr)},
+                     {"finish_reason", finish_reason_name(c.finish_reason)},
+                     {"stop_reason", stop_reason(c, s)},
+                     {"token_ids", s.return_token_ids ? json(c.ids) : json(nullptr)},
+                     {"prompt_logprobs", nullptr},
+                     {"prompt_token_ids", s.return_token_ids ? json(c.prompt_ids) : json(nullptr)},
+                     {"troupe", troupe_extension(c)}};
+      choices.push_back(std::move(choice));
+    }
+  }
+  return {{"id", "cmpl-" + random_hex(32)},
+          {"object", "text_completion"},
+          {"created", now_seconds()},
+          {"model", model_name_},
+          {"choices", choices},
+          {"system_fingerprint", nullptr},
+          {"usage", usage(prompt_tokens, completion_tokens)}};
+}
+
+// OpenAI messages: content is a string, or a list of parts of which only text parts are allowed.
+std::vector<ChatMessage> Service::parse_messages(const json& body) const {
+  const json* messages = field(body, "messages");
+  if (!messages) bad("messages", "`messages` is required: a list of {\"role\", \"content\"} objects");
+  if (!messages->is_array() || messages->empty()) bad("messages", "`messages` must be a non-empty list");
+  std::vector<ChatMessage> out;
+  for (const auto& m : *messages) {
+    if (!m.is_object()) bad("messages", "each message must be an object, got " + m.dump());
+    auto role = m.find("role");
+    if (role == m.end() || !role->is_string()) bad("messages", "each message needs a string `role`");
+    ChatMessage msg{role->get<std::string>(), ""};
+    auto content = m.find("content");
+    if (content == m.end() || content->is_null()) {
+    } else if (content->is_string()) {
+      msg.content = content->get<std::string>();
+    } else if (content->is_array()) {
+      for (const auto& part : *content) {
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+          bad("messages", "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported, got " + part.dump());
+        msg.content += part["text"].get<std::string>();
+      }
+    } else {
+      bad("messages", "message content must be a string or a list of text parts, got " + type_name(*content));
+    }
+    out.push_back(std::move(msg));
+  }
+  return out;
+}
+
+std::vector<int32_t> render_chat(const ChatTemplate& tmpl, const Tokenizer& tok, const std::vector<ChatMessage>& messages,
+                                 bool add_generation_prompt) {
+  std::string text;
+  try {
+    text = tmpl.render(messages, add_generation_prompt);
+  } catch (const Error& e) {
+    bad("messages", e.what());
+  }
+  return tok.encode(text);
+}
+
+const std::vector<Unsupported> kUnsupportedChat = with(
+    kUnsupportedSampling, {{"tools", {json::array()}},
+                           {"tool_choice", {json("none"), json("auto")}},
+                           {"parallel_tool_calls", {true, false}},
+                           {"functions", {json::array()}},
+                           {"continue_final_message", {false}},
+                           {"chat_template", {}},
+                           {"chat_template_kwargs", {json::object()}},
+                           {"documents", {}},
+                           {"reasoning_effort", {}}});
+
+json Service::chat_completions(const json& body) {
+  check_fields(body, "/v1/chat/completions",
+               with(kSamplingFields, {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt"}),
+               kUnsupportedChat);
+  check_model(body);
+  Sampling s = parse_sampling(body, /*chat=*/true);
+  auto messages = parse_messages(body);
+  const bool add_generation_prompt = bool_field(body, "add_generation_prompt").value_or(true);
+  auto prompt = render_chat(chat_template(), tokenizer("messages"), messages, add_generation_prompt);
+  if (!s.max_tokens_given) s.params.max_tokens = options_.max_tokens;
+  fit_max_tokens(s, static_cast<int64_t>(prompt.size()), "messages");
+  auto results = generate({prompt}, s);
+
+  json choices = json::array();
+  int64_t completion_tokens = 0;
+  for (const Completion& c : results.front()) {
+    completion_tokens += static_cast<int64_t>(c.ids.size());
+    json choice = {{"index", c.index},
+                   {"message", {{"role", "assistant"}, {"content", c.text}, {"reasoning_content", nullptr}, {"tool_calls", json::array()}}},
+                   {"logprobs", s.logprobs ? chat_logprobs(c, s) : json(nullptr)},
+                   {"finish_reason", finish_reason_name(c.finish_reason)},
+                   {"stop_reason", stop_reason(c, s)},
+                   {"token_ids", s.return_token_ids ? json(c.ids) : json(nullptr)},
+                   {"troupe", troupe_extension(c)}};
+    choices.push_back(std::move(choice));
+  }
+  return {{"id", "chatcmpl-" + random_hex(32)},
+          {"object", "chat.completion"},
+          {"created", now_seconds()},
+          {"model", model_name_},
+          {"choices", choices},
+          {"system_fingerprint", nullptr},
+          {"usage", usage(static_cast<int64_t>(prompt.size()), completion_tokens)},
+          {"prompt_logprobs", nullptr},
+          {"prompt_token_ids", s.return_token_ids ? json(prompt) : json(nullptr)}};
+}
+
+// vLLM's /tokenize: {"prompt": text} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}.
+json Service::tokenize(const json& body) const {
+  check_fields(body, "/tokenize", {"model", "prompt", "messages", "add_generation_prompt", "return_token_strs"},
+               {{"add_special_tokens", {true, false}}, {"continue_final_message", {false}}, {"tools", {json::array()}},
+                {"chat_template", {}}, {"chat_template_kwargs", {json::object()}}});
+  check_model(body);
+  const Tokenizer& tok = tokenizer("prompt");
+  std::vector<int32_t> ids;
+  if (body.contains("messages") && !body["messages"].is_null()) {
+    ids = render_chat(chat_template(), tok, parse_messages(body), bool_field(body, "add_generation_prompt").value_or(true));
+  } else {
+    auto prompt = string_field(body, "prompt");
+    if (!prompt) bad("prompt", "`prompt` (a string) or `messages` is required");
+    ids = tok.encode(*prompt);
+  }
+  json strs = nullptr;
+  if (bool_field(body, "return_token_strs").value_or(false)) {
+    strs = json::array();
+    for (int32_t id : ids) strs.push_back(tok.token(id));
+  }
+  return {{"count", ids.size()}, {"max_model_len", options_.max_seq_len}, {"tokens", ids}, {"token_strs", strs}};
+}
+
+json Service::detokenize(const json& body) const {
+  check_fields(body, "/detokenize", {"model", "tokens"}, {});
+  check_model(body);
+  const Tokenizer& tok = tokenizer("tokens");
+  const json* tokens = field(body, "tokens");
+  if (!tokens) bad("tokens", "`tokens` (a list of token ids) is required");
+  auto ids = token_ids(*tokens, "tokens", tok.vocab_size());
+  return {{"prompt", tok.decode(ids)}};
+}
+
+// ---------------------------------------------------------------------------------------
+// Weight updates from disk, with vLLM's endpoint names. Tensors are checked and staged by
+// /update_weights and copied into the engine together with the new version at
+// /finish_weight_update, so no token is ever labelled with a version it did not come from.
+
+json Service::start_weight_update(const json& body) {
+  check_fields(body, "/start_weight_update", {}, {{"is_checkpoint_format", {true}}});
+  loop_->pause();
+  std::lock_guard lock(update_mutex_);
+  staged_.clear();
+  return {{"message", "Weight update started"}};
+}
+
+std::map<std::string, torch::Tensor> Service::read_update_dir(const std::string& path) const {
+  const std::string param = "update_info.path";
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) bad(param, "update_weights: '" + path + "' is not a directory (send a folder of .safetensors files)");
+  std::map<std::string, torch::Tensor> weights;
+  try {
+    weights = read_safetensors(safetensors::Checkpoint::open_dir(path));
+  } catch (const std::exception& e) {
+    bad(param, std::string("update_weights: ") + e.what());
+  }
+  std::map<std::string, torch::Tensor> kept;
+  for (auto& [name, t] : weights) {
+    // As transformers does on load: rotary tables are recomputed, a tied head is the embedding.
+    if (name.ends_with("rotary_emb.inv_freq") || (name == "lm_head.weight" && config_.tie_word_embeddings)) continue;
+    auto it = param_shapes_.find(name);
+    if (it == param_shapes_.end())
+      bad(param, "update_weights: " + path + ": tensor '" + name + "' is not a parameter of the served model");
+    if (shape_of(t) != it->second)
+      bad(param, "update_weights: " + path + ": tensor '" + name + "' has shape " + shape_str(shape_of(t)) +
+                     ", the model's is " + shape_str(it->second));
+    if (!t.is_floating_point())
+      bad(param, "update_weights: " + path + ": tensor '" + name + "' is not floating point");
+    kept.emplace(name, std::move(t));
+  }
+  if (kept.empty()) bad(param, "update_weights: " + path + ": no model parameters in the folder");
+  return kept;
+}
+
+json Service::update_weights(const json& body) {
+  check_fields(body, "/update_weights", {"update_info"}, {});
+  const json* info = field(body, "update_info");
+  if (!info) bad("update_info", "Missing 'update_info' in request body");
+  if (!info->is_object()) bad("update_info", "`update_info` must be an object like {\"path\": \"/abs/dir\"}");
+  const json* path = field(*info, "path");
+  if (!path || !path->is_string() || path->get_ref<const std::string&>().empty())
+    bad("update_info.path", "`update_info.path` must be a folder of .safetensors files, as a string");
+  auto weights = read_update_dir(path->get<std::string>());
+  const size_t count = weights.size();
+  std::lock_guard lock(update_mutex_);
+  for (auto& [name, t] : weights) staged_.insert_or_assign(name, std::move(t));
+  return {{"message", "Weights updated"}, {"tensors", count}, {"staged", staged_.size()}};
+}
+
+json Service::finish_weight_update(const json& body) {
+  check_fields(body, "/finish_weight_update", {"weight_version"}, {});
+  int64_t version = loop_->version() + 1;
+  if (const json* v = field(body, "weight_version")) {
+    // Some trainers send the version as a string of digits.
+    if (v->is_string()) {
+      const auto& s = v->get_ref<const std::string&>();
+      if (s.empty() || s.size() > 18 || !std::all_of(s.begin(), s.end(), ::isdigit))
+        bad("weight_version", "`weight_version` must be a non-negative integer, got " + v->dump());
+      version = std::stoll(s);
+    } else {
+      version = *int_field(body, "weight_version");
+      if (version < 0) bad("weight_version", "`weight_version` must be a non-negative integer, got " + v->dump());
+    }
+  }
+  std::map<std::string, torch::Tensor> weights;
+  {
+    std::lock_guard lock(update_mutex_);
+    weights.swap(staged_);
+  }
+  const size_t count = weights.size();
+  try {
+    loop_->update_weights(std::move(weights), version).get();
+  } catch (const Error& e) {
+    loop_->resume();  // the engine checks before copying: the old weights are intact
+    if (loop_->stopped()) throw HttpError(503, "ServiceUnavailableError", "", e.what());
+    bad("", e.what());
+  }
+  loop_->resume();
+  return {{"message", "Weight update finished"}, {"weight_version", version}, {"tensors", count}};
+}
+
+json Service::pause() {
+  loop_->pause();
+  return {{"message", "Generation paused"}};
+}
+
+json Service::resume() {
+  loop_->resume();
+  return {{"message", "Generation resumed"}};
+}
+
+// ---------------------------------------------------------------------------------------
+// HTTP wiring.
+
+using Route = std::function<json(const json& body)>;
+
+// Turns every exception into vLLM's error body: a crash in one request must not take the
+// server (and everyone else's requests) down.
+httplib::Server::Handler json_route(Route route, bool empty_body_ok = false) {
+  return [route = std::move(route), empty_body_ok](const httplib::Request& req, httplib::Response& res) {
+    try {
+      json out = route(req.method == "GET" ? json::object() : parse_body(req, empty_body_ok));
+      if (out.is_null()) {
+        res.status = 200;  // /health: an empty 200, as vLLM answers
+        return;
+      }
+      send_json(res, 200, out);
+    } catch (const HttpError& e) {
+      send_error(res, e.status, e.type, e.what(), e.param);
+    } catch (const Error& e) {
+      send_error(res, 400, "BadRequestError", e.what());
+    } catch (const std::exception& e) {
+      std::cerr << "troupe serve: " << req.method << " " << req.path << ": internal error: " << e.what() << std::endl;
+      send_error(res, 500, "InternalServerError", e.what());
+    }
+  };
+}
+
+void add_routes(httplib::Server& http, Service& service) {
+  Service* s = &service;
+  http.Get("/health", json_route([s](const json&) { return s->health(); }));
+  http.Get("/v1/models", json_route([s](const json&) { return s->models(); }));
+  http.Get("/is_paused", json_route([s](const json&) { return s->is_paused(); }));
+  http.Get("/get_weight_version", json_route([s](const json&) { return s->weight_version(); }));
+  http.Post("/v1/completions", json_route([s](const json& b) { return s->completions(b); }));
+  http.Post("/v1/chat/completions", json_route([s](const json& b) { return s->chat_completions(b); }));
+  http.Post("/tokenize", json_route([s](const json& b) { return s->tokenize(b); }));
+  http.Post("/detokenize", json_route([s](const json& b) { return s->detokenize(b); }));
+  http.Post("/start_weight_update", json_route([s](const json& b) { return s->start_weight_update(b); }, true));
+  http.Post("/update_weights", json_route([s](const json& b) { return s->update_weights(b); }));
+  http.Post("/finish_weight_update", json_route([s](const json& b) { return s->finish_weight_update(b); }, true));
+  http.Post("/pause", json_route([s](const json&) { return s->pause(); }, true));
+  http.Post("/resume", json_route([s](const json&) { return s->resume(); }, true));
+}
+
+void configure_http(httplib::Server& http, Service& service) {
+  const ServeOptions& o = service.options();
+  // Every request waiting on the engine holds a thread, so allow at least a few per slot.
+  const size_t threads = static_cast<size_t>(std::max<int64_t>(64, 2 * o.max_batch));
+  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  http.set_payload_max_length(o.max_request_bytes);
+  http.set_pre_routing_handler([&service](const httplib::Request& req, httplib::Response& res) {
+    if (req.path == "/health" || service.authorized(req)) return httplib::Server::HandlerResponse::Unhandled;
+    send_error(res, 401, "AuthenticationError", "Unauthorized: send the server's API key as 'Authorization: Bearer KEY'");
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  // Errors raised by the library itself (unknown route, body too large, unparsable request).
+  const size_t limit = o.max_request_bytes;
+  http.set_error_handler(httplib::Server::HandlerWithResponse([limit](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    if (res.status == 404) send_error(res, 404, "NotFoundError", "no route " + req.method + " " + req.path);
+    else if (res.status == 413)
+      send_error(res, 413, "BadRequestError", "the request body exceeds " + std::to_string(limit) + " bytes (--max-request-bytes)");
+    else send_error(res, res.status, "BadRequestError", "HTTP " + std::to_string(res.status));
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+    send_error(res, 500, "InternalServerError", "internal error");
+  });
+  add_routes(http, service);
+}
+
+LoadedModel load(const ServeOptions& o) {
+  if (o.model.empty()) throw Error("--model is required");
+  if (o.max_batch < 1) throw Error("--max-batch must be at least 1");
+  if (o.max_seq_len < 2) throw Error("--max-seq-len must be at least 2");
+  LoadOptions lo;
+  lo.dtype = parse_dtype(o.dtype);
+  lo.device = parse_device(o.device);
+  return load_model(o.model, lo);
+}
+
+}  // namespace
+
+int serve(const ServeOptions& options) {
+  // Block the shutdown signals before any thread starts, so that every thread inherits the mask
+  // and only sigwait() below sees them (a handler could not safely stop the server).
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);  // a client that hangs up must not end the process
+
+  std::cerr << "troupe serve: loading " << options.model << std::endl;
+  Service service(options, load(options));
+  httplib::Server http;
+  configure_http(http, service);
+  const int port = options.port == 0 ? http.bind_to_any_port(options.host) : (http.bind_to_port(options.host, options.port) ? options.port : -1);
+  if (port < 0)
+    throw Error("cannot listen on " + options.host + ":" + std::to_string(options.port) + " (port in use? try --port 0)");
+  std::cout << "troupe serve: listening on http://" << options.host << ":" << port << std::endl;
+
+  std::thread listener([&] {
+    http.listen_after_bind();
+    kill(getpid(), SIGTERM);  // if the listener ever ends on its own, let the main thread shut down
+  });
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::cerr << "troupe serve: " << (sig == SIGINT ? "SIGINT" : "SIGTERM") << ", shutting down" << std::endl;
+  service.stop();  // first: requests waiting on the engine fail now instead of holding HTTP threads
+  http.stop();
+  listener.join();
+  return 0;
+}
+
+}  // namespace troupe

@@ -1,0 +1,34 @@
+// `troupe serve`: vLLM's OpenAI-compatible HTTP API (completions, chat, tokenize, weight
+// updates from disk) over one batched Engine. Non-streaming only; no TLS, no multi-model routing.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace troupe {
+
+struct ServeOptions {
+  std::string model;              // Hugging Face folder or .gguf file
+  std::string served_model_name;  // the name clients pass as "model"; empty: `model` as given
+  std::string host = "127.0.0.1"; // loopback unless asked: the API can rewrite the weights
+  int port = 8000;                // 0: any free port (the listening line says which)
+  std::string api_key;            // non-empty: every route but GET /health needs "Authorization: Bearer KEY"
+  std::string dtype = "float32";  // float32, bfloat16 or float16
+  std::string device = "cpu";     // cpu or cuda[:N]
+  int64_t max_batch = 32;         // engine decode slots shared by all clients
+  int64_t max_seq_len = 2048;     // prompt + completion tokens per sequence
+  uint64_t seed = 0;              // for requests without their own seed
+  // Limits on one request; over them is a 400 (413 for the body) naming the flag to change.
+  size_t max_request_bytes = size_t{8} << 20;
+  int64_t max_n = 16;             // also capped by max_batch
+  int64_t max_tokens = 4096;      // also capped by max_seq_len - prompt length
+  int64_t max_prompts = 256;      // prompts in one batched /v1/completions request
+};
+
+// Loads the model, binds, prints "troupe serve: listening on http://HOST:PORT" on stdout and
+// serves until SIGINT or SIGTERM, then fails in-flight requests, stops, and returns 0.
+// Throws Error when it cannot start (bad model, bad option, port in use).
+int serve(const ServeOptions& options);
+
+}  // namespace troupe

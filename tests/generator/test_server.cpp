@@ -1,0 +1,536 @@
+// `troupe serve` as a separate process on the real SmolLM2 GGUF, driven by raw HTTP: greedy
+// output against `troupe generate`, bad requests, auth, concurrency, and weight updates from disk.
+#include <doctest/doctest.h>
+
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "policy/safetensors.hpp"
+#include "tests/test_util.hpp"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using troupe::test::env_dir;
+using troupe::test::smollm2_gguf;
+
+extern char** environ;
+
+namespace {
+
+constexpr const char* kApiKey = "test-key-123";
+constexpr const char* kModelName = "smollm2";
+constexpr int kMaxSeqLen = 512;
+
+// A `troupe serve` child process; its stdout is read until the listening line names the port.
+struct ServerProcess {
+  pid_t pid = -1;
+  int port = 0;
+
+  explicit ServerProcess(const std::vector<std::string>& args) {
+    int out[2];
+    REQUIRE(pipe(out) == 0);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+    posix_spawn_file_actions_addclose(&actions, out[0]);
+    std::vector<std::string> argv_s = {env_dir("TROUPE_BIN").string(), "serve"};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    close(out[1]);
+    REQUIRE(rc == 0);
+    std::string seen;
+    std::smatch m;
+    static const std::regex listening(R"(listening on http://[^:\s]+:(\d+))");
+    while (!std::regex_search(seen, m, listening)) {
+      pollfd p{out[0], POLLIN, 0};
+      if (poll(&p, 1, 300'000) <= 0) break;  // the model loads in seconds; this only guards a hang
+      char buf[256];
+      ssize_t n = read(out[0], buf, sizeof buf);
+      if (n <= 0) break;
+      seen.append(buf, static_cast<size_t>(n));
+    }
+    close(out[0]);  // the server prints nothing else on stdout
+    REQUIRE_MESSAGE(std::regex_search(seen, m, listening), "no listening line; stdout was: " << seen);
+    port = std::stoi(m[1]);
+  }
+
+  // SIGTERM, then the exit status (-1: did not exit normally within a minute).
+  int terminate() {
+    kill(pid, SIGTERM);
+    for (int i = 0; i < 600; ++i) {
+      int status = 0;
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        pid = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return -1;
+  }
+
+  ~ServerProcess() {
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+};
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// Runs `troupe ARGS` and returns its stdout (stderr passes through).
+std::string run_troupe(const std::string& args) {
+  std::string cmd = quote(env_dir("TROUPE_BIN").string()) + " " + args;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  REQUIRE(pipe);
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
+  int status = pclose(pipe);
+  REQUIRE_MESSAGE(WIFEXITED(status), cmd);
+  REQUIRE_MESSAGE(WEXITSTATUS(status) == 0, cmd << "\n" << out);
+  return out;
+}
+
+// The server every test case shares (it stays up across cases; the last one stops it).
+ServerProcess& server() {
+  static ServerProcess s({"--model", smollm2_gguf().string(), "--port", "0", "--api-key", kApiKey,
+                          "--served-model-name", kModelName, "--max-batch", "8", "--max-seq-len",
+                          std::to_string(kMaxSeqLen), "--max-n", "8", "--max-tokens", "64", "--max-request-bytes",
+                          "65536", "--seed", "1"});
+  return s;
+}
+
+std::unique_ptr<httplib::Client> client(bool auth = true) {
+  auto c = std::make_unique<httplib::Client>("127.0.0.1", server().port);
+  if (auth) c->set_bearer_token_auth(kApiKey);
+  c->set_read_timeout(300, 0);
+  c->set_write_timeout(60, 0);
+  return c;
+}
+
+struct Reply {
+  int status = 0;
+  json body;
+};
+
+Reply post_raw(const std::string& path, const std::string& body, bool auth = true) {
+  auto res = client(auth)->Post(path.c_str(), body, "application/json");
+  REQUIRE_MESSAGE(res, "POST " << path << ": no response (" << httplib::to_string(res.error()) << ")");
+  return {res->status, json::parse(res->body, nullptr, /*allow_exceptions=*/false)};
+}
+
+Reply post(const std::string& path, const json& body, bool auth = true) { return post_raw(path, body.dump(), auth); }
+
+json ok(const std::string& path, const json& body) {
+  auto r = post(path, body);
+  REQUIRE_MESSAGE(r.status == 200, path << " " << body.dump() << " -> " << r.status << " " << r.body.dump());
+  return r.body;
+}
+
+Reply get(const std::string& path, bool auth = true) {
+  auto res = client(auth)->Get(path.c_str());
+  REQUIRE(res);
+  return {res->status, json::parse(res->body, nullptr, false)};
+}
+
+// vLLM's ErrorResponse: {"error": {"message", "type", "param", "code"}}.
+void check_error_body(const Reply& r, int status) {
+  REQUIRE(r.body.is_object());
+  REQUIRE(r.body.contains("error"));
+  const json& e = r.body["error"];
+  CHECK(e["code"] == status);
+  CHECK(e["message"].is_string());
+  CHECK(!e["message"].get<std::string>().empty());
+  CHECK(e["type"].is_string());
+  CHECK(e.contains("param"));
+}
+
+json greedy(const json& prompt, int max_tokens = 12) {
+  return ok("/v1/completions", {{"model", kModelName}, {"prompt", prompt}, {"max_tokens", max_tokens},
+                                {"temperature", 0}, {"return_token_ids", true}});
+}
+
+std::string strip_newline(std::string s) {
+  if (!s.empty() && s.back() == '\n') s.pop_back();
+  return s;
+}
+
+const char* kPrompt = "The three primary colors are";
+
+}  // namespace
+
+TEST_CASE("health, models and the API key") {
+  CHECK(get("/health", /*auth=*/false).status == 200);
+  auto models = get("/v1/models");
+  REQUIRE(models.status == 200);
+  CHECK(models.body["object"] == "list");
+  CHECK(models.body["data"][0]["id"] == kModelName);
+  CHECK(models.body["data"][0]["max_model_len"] == kMaxSeqLen);
+
+  auto no_key = get("/v1/models", /*auth=*/false);
+  CHECK(no_key.status == 401);
+  check_error_body(no_key, 401);
+  auto no_key_post = post("/v1/completions", {{"prompt", "hi"}}, /*auth=*/false);
+  CHECK(no_key_post.status == 401);
+  httplib::Client wrong("127.0.0.1", server().port);
+  wrong.set_bearer_token_auth("wrong-key");
+  auto res = wrong.Post("/update_weights", R"({"update_info": {"path": "/tmp"}})", "application/json");
+  REQUIRE(res);
+  CHECK(res->status == 401);
+}
+
+TEST_CASE("greedy completions equal `troupe generate`, by text and by token ids") {
+  json by_text = greedy(kPrompt);
+  const json& choice = by_text["choices"][0];
+  std::string expected = strip_newline(run_troupe("generate --model " + quote(smollm2_gguf().string()) +
+                                                  " --max-tokens 12 --prompt " + quote(kPrompt)));
+  MESSAGE("server: " << choice["text"] << "  troupe generate: " << json(expected));
+  CHECK(choice["text"] == expected);
+  CHECK(by_text["object"] == "text_completion");
+  CHECK(by_text["model"] == kModelName);
+  const auto& ids = choice["token_ids"];
+  CHECK(by_text["usage"]["completion_tokens"] == ids.size());
+  CHECK(by_text["usage"]["prompt_tokens"] == choice["prompt_token_ids"].size());
+  CHECK(by_text["usage"]["total_tokens"] == ids.size() + choice["prompt_token_ids"].size());
+  CHECK((choice["finish_reason"] == "length" || choice["finish_reason"] == "stop"));
+  CHECK(choice["troupe"]["min_version"] == 0);
+  CHECK(choice["troupe"]["max_version"] == 0);
+  CHECK(choice["logprobs"].is_null());
+
+  json tokens = ok("/tokenize", {{"prompt", kPrompt}});
+  CHECK(tokens["tokens"] == choice["prompt_token_ids"]);
+  json by_ids = greedy(tokens["tokens"]);
+  CHECK(by_ids["choices"][0]["token_ids"] == ids);
+  CHECK(by_ids["choices"][0]["text"] == choice["text"]);
+}
+
+TEST_CASE("chat completions render the template: same tokens as the rendered prompt through /v1/completions") {
+  const std::string question = "What is the capital of France?";
+  const json messages = {{{"role", "user"}, {"content", question}}};
+  json r = ok("/v1/chat/completions", {{"messages", messages}, {"max_tokens", 16}, {"temperature", 0}, {"return_token_ids", true}});
+  CHECK(r["object"] == "chat.completion");
+  const json& choice = r["choices"][0];
+  CHECK(choice["message"]["role"] == "assistant");
+  MESSAGE("chat: " << choice["message"]["content"]);
+  CHECK(choice["message"]["content"].get<std::string>().find("Paris") != std::string::npos);
+  CHECK(r["usage"]["prompt_tokens"] == r["prompt_token_ids"].size());
+  // /tokenize renders the same messages to the prompt the server generated from, and those
+  // ids through /v1/completions give the same tokens (the greedy path itself is checked
+  // against `troupe generate` above).
+  json t = ok("/tokenize", {{"messages", messages}});
+  CHECK(t["tokens"] == r["prompt_token_ids"]);
+  json same = greedy(t["tokens"], 16);
+  CHECK(same["choices"][0]["token_ids"] == choice["token_ids"]);
+  CHECK(same["choices"][0]["text"] == choice["message"]["content"]);
+
+  json lp = ok("/v1/chat/completions", {{"messages", messages},
+                                        {"max_tokens", 4}, {"logprobs", true}, {"top_logprobs", 1}, {"seed", 3}});
+  const json& content = lp["choices"][0]["logprobs"]["content"];
+  REQUIRE(content.size() == lp["usage"]["completion_tokens"].get<size_t>());
+  for (const auto& e : content) {
+    CHECK(std::isfinite(e["logprob"].get<double>()));
+    CHECK(e["logprob"].get<double>() <= 0.0);
+    CHECK(e["top_logprobs"].size() == 1);
+  }
+}
+
+TEST_CASE("n samples with a seed: logprobs present and finite, and the seed reproduces them") {
+  json body = {{"prompt", kPrompt}, {"n", 4}, {"max_tokens", 8}, {"temperature", 1.0}, {"top_p", 0.95},
+               {"seed", 7}, {"logprobs", 1}, {"return_token_ids", true}};
+  json a = ok("/v1/completions", body);
+  json b = ok("/v1/completions", body);
+  REQUIRE(a["choices"].size() == 4);
+  for (size_t i = 0; i < 4; ++i) {
+    const json& c = a["choices"][i];
+    CHECK(c["index"] == i);
+    const json& lp = c["logprobs"];
+    REQUIRE(lp.is_object());
+    CHECK(lp["tokens"].size() == c["token_ids"].size());
+    CHECK(lp["token_logprobs"].size() == c["token_ids"].size());
+    CHECK(lp["top_logprobs"].size() == c["token_ids"].size());
+    CHECK(lp["text_offset"].size() == c["token_ids"].size());
+    for (const auto& x : lp["token_logprobs"]) {
+      CHECK(std::isfinite(x.get<double>()));
+      CHECK(x.get<double>() <= 0.0);
+    }
+    for (size_t k = 1; k < lp["text_offset"].size(); ++k) CHECK(lp["text_offset"][k] >= lp["text_offset"][k - 1]);
+    CHECK(c["token_ids"] == b["choices"][i]["token_ids"]);
+    CHECK(lp["token_logprobs"] == b["choices"][i]["logprobs"]["token_logprobs"]);
+  }
+  CHECK(a["usage"]["completion_tokens"] > 0);
+
+  // A batch of prompts: choices are indexed prompt * n + sample.
+  json batch = ok("/v1/completions", {{"prompt", json::array({json("Hello"), json(std::vector<int>{1, 2, 3})})}, {"n", 2}, {"max_tokens", 3}});
+  REQUIRE(batch["choices"].size() == 4);
+  for (size_t i = 0; i < 4; ++i) CHECK(batch["choices"][i]["index"] == i);
+}
+
+TEST_CASE("stop strings and stop token ids report stop_reason") {
+  json first = greedy(kPrompt, 6);
+  const auto ids = first["choices"][0]["token_ids"].get<std::vector<int>>();
+  REQUIRE(ids.size() >= 3);
+  json r = ok("/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 12}, {"temperature", 0}, {"stop_token_ids", {ids[2]}},
+                                  {"return_token_ids", true}});
+  CHECK(r["choices"][0]["finish_reason"] == "stop");
+  CHECK(r["choices"][0]["stop_reason"] == ids[2]);
+  CHECK(r["choices"][0]["token_ids"].size() == 3);
+
+  std::string text = first["choices"][0]["text"];
+  std::string stop = text.substr(text.size() / 2, 2);
+  json s = ok("/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 12}, {"temperature", 0}, {"stop", stop}});
+  CHECK(s["choices"][0]["finish_reason"] == "stop");
+  CHECK(s["choices"][0]["stop_reason"] == stop);
+  CHECK(s["choices"][0]["text"].get<std::string>().find(stop) == std::string::npos);
+}
+
+TEST_CASE("tokenize and detokenize round trip") {
+  const std::string text = "Héllo, wörld! 123 + 456 = 579 ✓";
+  json t = ok("/tokenize", {{"prompt", text}, {"return_token_strs", true}});
+  CHECK(t["count"] == t["tokens"].size());
+  CHECK(t["max_model_len"] == kMaxSeqLen);
+  CHECK(t["token_strs"].size() == t["tokens"].size());
+  json d = ok("/detokenize", {{"tokens", t["tokens"]}});
+  CHECK(d["prompt"] == text);
+}
+
+TEST_CASE("malformed requests get a 400 with vLLM's error body, and the server keeps serving") {
+  struct Case {
+    const char* path;
+    std::string body;
+    const char* param;  // nullptr: no particular field
+  };
+  const std::string long_prompt = json(std::vector<int>(kMaxSeqLen, 1)).dump();
+  const std::vector<Case> cases = {
+      {"/v1/completions", "{not json", nullptr},
+      {"/v1/completions", "[1, 2]", nullptr},
+      {"/v1/completions", "", nullptr},
+      {"/v1/completions", R"({"prompt": "hi", "max_tokens": "ten"})", "max_tokens"},
+      {"/v1/completions", R"({"prompt": "hi", "max_tokens": -1})", "max_tokens"},
+      {"/v1/completions", R"({"prompt": "hi", "max_tokens": 0})", "max_tokens"},
+      {"/v1/completions", R"({"prompt": "hi", "max_tokens": 100000})", "max_tokens"},
+      {"/v1/completions", R"({"prompt": "hi", "max_tokens": 2.5})", "max_tokens"},
+      {"/v1/completions", R"({"prompt": "hi", "temperature": -0.5})", "temperature"},
+      {"/v1/completions", R"({"prompt": "hi", "temperature": "hot"})", "temperature"},
+      {"/v1/completions", R"({"prompt": "hi", "top_p": 0})", "top_p"},
+      {"/v1/completions", R"({"prompt": "hi", "top_p": 1.5})", "top_p"},
+      {"/v1/completions", R"({"prompt": "hi", "top_k": -5})", "top_k"},
+      {"/v1/completions", R"({"prompt": "hi", "min_p": 2})", "min_p"},
+      {"/v1/completions", R"({"prompt": "hi", "n": 0})", "n"},
+      {"/v1/completions", R"({"prompt": "hi", "n": 100})", "n"},
+      {"/v1/completions", R"({"prompt": "hi", "seed": "x"})", "seed"},
+      {"/v1/completions", R"({"prompt": "hi", "ignore_eos": "yes"})", "ignore_eos"},
+      {"/v1/completions", R"({"prompt": "hi", "stop": 3})", "stop"},
+      {"/v1/completions", R"({"prompt": "hi", "stop": [""]})", "stop"},
+      {"/v1/completions", R"({"prompt": "hi", "stop_token_ids": [99999999]})", "stop_token_ids"},
+      {"/v1/completions", R"({"prompt": "hi", "logprobs": 100})", "logprobs"},
+      {"/v1/completions", R"({"prompt": "hi", "logprobs": -2})", "logprobs"},
+      {"/v1/completions", R"({"prompt": "hi", "stream": true})", "stream"},
+      {"/v1/completions", R"({"prompt": "hi", "presence_penalty": 0.5})", "presence_penalty"},
+      {"/v1/completions", R"({})", "prompt"},
+      {"/v1/completions", R"({"prompt": ""})", "prompt"},
+      {"/v1/completions", R"({"prompt": []})", "prompt"},
+      {"/v1/completions", R"({"prompt": 5})", "prompt"},
+      {"/v1/completions", R"({"prompt": [1, 2, 99999999]})", "prompt"},
+      {"/v1/completions", R"({"prompt": [-1]})", "prompt"},
+      {"/v1/completions", R"({"prompt": ["ok", 7]})", "prompt"},
+      {"/v1/completions", R"({"prompt": )" + long_prompt + R"(, "max_tokens": 16})", "max_tokens"},
+      {"/v1/chat/completions", R"({"messages": "hi"})", "messages"},
+      {"/v1/chat/completions", R"({"messages": []})", "messages"},
+      {"/v1/chat/completions", R"({})", "messages"},
+      {"/v1/chat/completions", R"({"messages": [{"content": "x"}]})", "messages"},
+      {"/v1/chat/completions", R"({"messages": [{"role": "wizard", "content": "x"}]})", "messages"},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": 5}]})", "messages"},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", "top_logprobs"},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"})", "max_tokens"},
+      {"/tokenize", R"({})", "prompt"},
+      {"/tokenize", R"({"prompt": 12})", "prompt"},
+      {"/detokenize", R"({"tokens": [99999999]})", "tokens"},
+      {"/detokenize", R"({"tokens": "abc"})", "tokens"},
+      {"/update_weights", R"({})", "update_info"},
+      {"/update_weights", R"({"update_info": {"path": "/nonexistent/troupe"}})", "update_info.path"},
+      {"/update_weights", R"({"update_info": {"path": 3}})", "update_info.path"},
+      {"/finish_weight_update", R"({"weight_version": "abc"})", "weight_version"},
+      {"/finish_weight_update", R"({"weight_version": -3})", "weight_version"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.path);
+    CAPTURE(c.body);
+    auto r = post_raw(c.path, c.body);
+    CHECK(r.status == 400);
+    check_error_body(r, 400);
+    if (r.body.is_object() && r.body.contains("error")) {
+      CHECK(r.body["error"]["type"] == "BadRequestError");
+      if (c.param) CHECK(r.body["error"]["param"] == c.param);
+      MESSAGE(c.path << " " << c.body.substr(0, 80) << " -> " << r.body["error"]["message"]);
+    }
+  }
+
+  auto unknown_model = post("/v1/completions", {{"model", "gpt-17"}, {"prompt", "hi"}});
+  CHECK(unknown_model.status == 404);
+  check_error_body(unknown_model, 404);
+  auto huge = post("/v1/completions", {{"prompt", std::string(100000, 'a')}});
+  CHECK(huge.status == 413);
+  auto no_route = post("/v1/nothing", json::object());
+  CHECK(no_route.status == 404);
+
+  // Unknown fields are ignored (vLLM logs them); the server still answers.
+  CHECK(get("/health", false).status == 200);
+  json r = ok("/v1/completions", {{"prompt", "hi"}, {"max_tokens", 2}, {"frobnicate", true}});
+  CHECK(r["choices"].size() == 1);
+}
+
+TEST_CASE("concurrent clients share the batch and get the tokens they would get alone") {
+  const std::vector<std::string> prompts = {"One, two, three,", "The sky is", "def add(a, b):", "Paris is the capital of",
+                                            "Water boils at", "My favourite food is"};
+  std::vector<json> alone;
+  for (const auto& p : prompts) alone.push_back(greedy(p, 8)["choices"][0]["token_ids"]);
+
+  std::vector<json> together(prompts.size());
+  std::vector<int> status(prompts.size(), 0);
+  std::vector<std::unique_ptr<httplib::Client>> clients;
+  for (size_t i = 0; i < prompts.size(); ++i) clients.push_back(client());  // here: REQUIREs must not run on the threads
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    threads.emplace_back([&, i] {
+      auto& c = clients[i];
+      json body = {{"prompt", prompts[i]}, {"max_tokens", 8}, {"temperature", 0}, {"return_token_ids", true}};
+      auto res = c->Post("/v1/completions", body.dump(), "application/json");
+      if (!res) return;
+      status[i] = res->status;
+      together[i] = json::parse(res->body, nullptr, false);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    CAPTURE(prompts[i]);
+    REQUIRE(status[i] == 200);
+    CHECK(together[i]["choices"][0]["token_ids"] == alone[i]);
+  }
+}
+
+TEST_CASE("pause queues requests until resume") {
+  ok("/pause", json::object());
+  CHECK(get("/is_paused").body["is_paused"] == true);
+  int queued = 0;
+  auto c = client();  // made here: assertions must not run on the other thread
+  std::thread t([&] {
+    auto res = c->Post("/v1/completions", R"({"prompt": "hi", "max_tokens": 2})", "application/json");
+    queued = res ? res->status : -1;
+  });
+  CHECK(get("/health", false).status == 200);  // the server answers while paused
+  ok("/resume", json::object());
+  t.join();
+  CHECK(queued == 200);
+  CHECK(get("/is_paused").body["is_paused"] == false);
+}
+
+namespace {
+
+// Copies tensors of a safetensors file into a new folder, negating those named in `flip`
+// (float32: flipping the sign bit is exact).
+void write_update(const fs::path& from, const fs::path& dir, const std::vector<std::string>& names, bool flip) {
+  auto file = troupe::safetensors::File::open(from);
+  std::vector<std::vector<uint32_t>> data;
+  std::vector<troupe::safetensors::TensorRef> refs;
+  data.reserve(names.size());
+  for (const auto& name : names) {
+    const auto& v = file->at(name);
+    REQUIRE(v.dtype == troupe::safetensors::Dtype::F32);
+    auto& words = data.emplace_back(v.nbytes / 4);
+    std::memcpy(words.data(), v.data, v.nbytes);
+    if (flip)
+      for (auto& w : words) w ^= 0x80000000u;
+    refs.push_back({name, v.dtype, v.shape, words.data(), v.nbytes});
+  }
+  fs::create_directories(dir);
+  troupe::safetensors::write_file(dir / "model.safetensors", refs);
+}
+
+}  // namespace
+
+TEST_CASE("a weight update through the disk endpoints changes outputs and the version") {
+  const fs::path work = fs::temp_directory_path() / ("troupe_test_server_" + std::to_string(getpid()));
+  fs::remove_all(work);
+  run_troupe("convert " + quote(smollm2_gguf().string()) + " " + quote((work / "hf").string()) + " --dtype float32");
+  const fs::path weights = work / "hf" / "model.safetensors";
+  REQUIRE(fs::exists(weights));
+  std::vector<std::string> names;
+  for (int l = 0; l < 4; ++l) names.push_back("model.layers." + std::to_string(l) + ".mlp.down_proj.weight");
+  write_update(weights, work / "flipped", names, /*flip=*/true);
+  write_update(weights, work / "original", names, /*flip=*/false);
+
+  json before = greedy(kPrompt);
+  CHECK(before["choices"][0]["troupe"]["max_version"] == 0);
+
+  ok("/start_weight_update", json::object());
+  json staged = ok("/update_weights", {{"update_info", {{"path", (work / "flipped").string()}}}});
+  CHECK(staged["tensors"] == names.size());
+  json finished = ok("/finish_weight_update", {{"weight_version", 7}});
+  CHECK(finished["weight_version"] == 7);
+  CHECK(get("/get_weight_version").body["weight_version"] == 7);
+  CHECK(get("/is_paused").body["is_paused"] == false);
+
+  json after = greedy(kPrompt);
+  MESSAGE("before: " << before["choices"][0]["text"] << "  after: " << after["choices"][0]["text"]);
+  CHECK(after["choices"][0]["token_ids"] != before["choices"][0]["token_ids"]);
+  CHECK(after["choices"][0]["troupe"]["min_version"] == 7);
+  CHECK(after["choices"][0]["troupe"]["max_version"] == 7);
+
+  // Bad folders are refused before anything is staged, naming the tensor.
+  {
+    std::vector<float> bogus(576, 1.0f), short_norm(3, 1.0f);
+    troupe::safetensors::TensorRef unknown{"model.bogus.weight", troupe::safetensors::Dtype::F32, {576}, bogus.data(), bogus.size() * 4};
+    troupe::safetensors::TensorRef wrong{"model.norm.weight", troupe::safetensors::Dtype::F32, {3}, short_norm.data(), short_norm.size() * 4};
+    fs::create_directories(work / "unknown");
+    fs::create_directories(work / "wrong");
+    troupe::safetensors::write_file(work / "unknown" / "model.safetensors", std::span(&unknown, 1));
+    troupe::safetensors::write_file(work / "wrong" / "model.safetensors", std::span(&wrong, 1));
+    for (const char* dir : {"unknown", "wrong"}) {
+      auto r = post("/update_weights", {{"update_info", {{"path", (work / dir).string()}}}});
+      CHECK(r.status == 400);
+      check_error_body(r, 400);
+      std::string message = r.body["error"]["message"];
+      MESSAGE(message);
+      CHECK(message.find(std::string(dir) == "unknown" ? "model.bogus.weight" : "model.norm.weight") != std::string::npos);
+    }
+  }
+
+  // Writing the original tensors back restores the original greedy output exactly.
+  ok("/start_weight_update", json::object());
+  ok("/update_weights", {{"update_info", {{"path", (work / "original").string()}}}});
+  ok("/finish_weight_update", {{"weight_version", "8"}});
+  json restored = greedy(kPrompt);
+  CHECK(restored["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]);
+  CHECK(restored["choices"][0]["troupe"]["max_version"] == 8);
+  fs::remove_all(work);
+}
+
+TEST_CASE("SIGTERM stops the server cleanly with exit code 0") {
+  CHECK(server().terminate() == 0);
+}
