@@ -1,6 +1,5 @@
-// `troupe serve`: vLLM's OpenAI-compatible routes, field names and error bodies over one
-// EngineLoop, so many HTTP clients share one batch. Requests are validated here, field by field,
-// before they reach the engine; no streaming, no penalties, no beam search (rejected, not ignored).
+// `troupe serve`: vLLM's routes, fields and error bodies over one EngineLoop (many clients, one
+// batch), every field validated here first. No streaming, penalties or beam search: rejected, not ignored.
 #include "generator/server.hpp"
 
 #include <pthread.h>
@@ -310,6 +309,10 @@ class Service {
   const ChatTemplate& chat_template() const;
   void check_model(const json& body) const;
   Sampling parse_sampling(const json& body, bool chat) const;
+  void parse_lengths(const json& body, bool chat, Sampling& s) const;
+  void parse_distribution(const json& body, SamplingParams& p) const;
+  void parse_stops(const json& body, Sampling& s) const;
+  void parse_logprobs(const json& body, bool chat, Sampling& s) const;
   void fit_max_tokens(Sampling& s, int64_t prompt_tokens, const char* prompt_param) const;
   std::vector<std::vector<int32_t>> parse_prompts(const json& body) const;
   std::vector<ChatMessage> parse_messages(const json& body) const;
@@ -410,29 +413,40 @@ void Service::check_model(const json& body) const {
 
 Sampling Service::parse_sampling(const json& body, bool chat) const {
   Sampling s;
-  SamplingParams& p = s.params;
+  parse_lengths(body, chat, s);
+  parse_distribution(body, s.params);
+  parse_stops(body, s);
+  parse_logprobs(body, chat, s);
+  s.return_token_ids = bool_field(body, "return_token_ids").value_or(false);
+  s.tokens_as_ids = bool_field(body, "return_tokens_as_token_ids").value_or(false);
+  return s;
+}
+
+void Service::parse_lengths(const json& body, bool chat, Sampling& s) const {
   const int64_t n_limit = std::min(options_.max_n, options_.max_batch);
   if (auto n = int_field(body, "n")) {
     if (*n < 1) bad("n", "n must be at least 1, got " + std::to_string(*n));
     if (*n > n_limit)
       bad("n", "n = " + std::to_string(*n) + " exceeds this server's limit of " + std::to_string(n_limit) +
                    " (--max-n, --max-batch)");
-    p.n = *n;
+    s.params.n = *n;
   }
   auto max_tokens = int_field(body, "max_tokens");
-  const char* max_tokens_param = "max_tokens";
+  const char* param = "max_tokens";
   if (chat && !max_tokens) {  // the OpenAI chat API's newer name
     max_tokens = int_field(body, "max_completion_tokens");
-    max_tokens_param = "max_completion_tokens";
+    param = "max_completion_tokens";
   }
-  if (max_tokens) {
-    if (*max_tokens < 1) bad(max_tokens_param, std::string(max_tokens_param) + " must be at least 1, got " + std::to_string(*max_tokens));
-    if (*max_tokens > options_.max_tokens)
-      bad(max_tokens_param, std::string(max_tokens_param) + " = " + std::to_string(*max_tokens) +
-                                " exceeds this server's limit of " + std::to_string(options_.max_tokens) + " (--max-tokens)");
-    p.max_tokens = *max_tokens;
-    s.max_tokens_given = true;
-  }
+  if (!max_tokens) return;
+  if (*max_tokens < 1) bad(param, std::string(param) + " must be at least 1, got " + std::to_string(*max_tokens));
+  if (*max_tokens > options_.max_tokens)
+    bad(param, std::string(param) + " = " + std::to_string(*max_tokens) + " exceeds this server's limit of " +
+                   std::to_string(options_.max_tokens) + " (--max-tokens)");
+  s.params.max_tokens = *max_tokens;
+  s.max_tokens_given = true;
+}
+
+void Service::parse_distribution(const json& body, SamplingParams& p) const {
   if (auto t = number_field(body, "temperature")) {
     if (!(*t >= 0) || !std::isfinite(*t)) bad("temperature", "temperature must be non-negative, got " + std::to_string(*t));
     p.temperature = *t;
@@ -450,6 +464,10 @@ Sampling Service::parse_sampling(const json& body, bool chat) const {
     p.min_p = *m;
   }
   if (auto seed = int_field(body, "seed")) p.seed = static_cast<uint64_t>(*seed);
+}
+
+void Service::parse_stops(const json& body, Sampling& s) const {
+  SamplingParams& p = s.params;
   if (const json* stop = field(body, "stop")) {
     if (stop->is_string()) {
       p.stop.push_back(stop->get<std::string>());
@@ -470,24 +488,25 @@ Sampling Service::parse_sampling(const json& body, bool chat) const {
   p.ignore_eos = bool_field(body, "ignore_eos").value_or(false);
   p.stop_token_ids = s.requested_stop_ids;
   if (!p.ignore_eos) p.stop_token_ids.insert(p.stop_token_ids.end(), end_of_turn_ids_.begin(), end_of_turn_ids_.end());
-  s.return_token_ids = bool_field(body, "return_token_ids").value_or(false);
-  s.tokens_as_ids = bool_field(body, "return_tokens_as_token_ids").value_or(false);
+}
 
-  if (chat) {  // chat: "logprobs": bool, "top_logprobs": int
-    s.logprobs = bool_field(body, "logprobs").value_or(false);
-    if (auto k = int_field(body, "top_logprobs")) {
-      if (*k < 0 || *k > kMaxLogprobs)
-        bad("top_logprobs", "top_logprobs must be in [0, " + std::to_string(kMaxLogprobs) + "], got " + std::to_string(*k));
-      if (*k > 0 && !s.logprobs) bad("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true");
+// Completions ask with "logprobs": int; chat with "logprobs": bool and "top_logprobs": int.
+void Service::parse_logprobs(const json& body, bool chat, Sampling& s) const {
+  const std::string range = "[0, " + std::to_string(kMaxLogprobs) + "]";
+  if (!chat) {
+    if (auto k = int_field(body, "logprobs")) {
+      if (*k < 0 || *k > kMaxLogprobs) bad("logprobs", "logprobs must be in " + range + ", got " + std::to_string(*k));
+      s.logprobs = true;
       s.top_logprobs = *k;
     }
-  } else if (auto k = int_field(body, "logprobs")) {  // completions: "logprobs": int
-    if (*k < 0 || *k > kMaxLogprobs)
-      bad("logprobs", "logprobs must be in [0, " + std::to_string(kMaxLogprobs) + "], got " + std::to_string(*k));
-    s.logprobs = true;
+    return;
+  }
+  s.logprobs = bool_field(body, "logprobs").value_or(false);
+  if (auto k = int_field(body, "top_logprobs")) {
+    if (*k < 0 || *k > kMaxLogprobs) bad("top_logprobs", "top_logprobs must be in " + range + ", got " + std::to_string(*k));
+    if (*k > 0 && !s.logprobs) bad("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true");
     s.top_logprobs = *k;
   }
-  return s;
 }
 
 // Chat without max_tokens may use the rest of the sequence (as vLLM does); with it, the prompt

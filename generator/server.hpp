@@ -26,6 +26,17 @@ struct ServeOptions {
   int64_t max_prompts = 256;      // prompts in one batched /v1/completions request
 };
 
+// Routes (vLLM's names and shapes): GET /health, /v1/models, /is_paused, /get_weight_version;
+// POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /pause, /resume,
+// /start_weight_update, /update_weights {"update_info": {"path": DIR}}, /finish_weight_update
+// {"weight_version": N}. Tensors of /update_weights are checked and staged, then copied between
+// two decode steps together with the version at /finish_weight_update; /pause keeps running
+// sequences in their slots (vLLM's mode "keep").
+// RL extension: every choice carries "troupe": {"min_version", "max_version"}, the policy versions
+// of the weights that produced its tokens. Log-probs ("logprobs") are the behaviour log-probs:
+// log-softmax(logits / temperature) (temperature 1 when greedy), before top-k/top-p/min-p
+// truncation; top_logprobs lists only the sampled token.
+//
 // Loads the model, binds, prints "troupe serve: listening on http://HOST:PORT" on stdout and
 // serves until SIGINT or SIGTERM, then fails in-flight requests, stops, and returns 0.
 // Throws Error when it cannot start (bad model, bad option, port in use).
