@@ -1,0 +1,68 @@
+// The math verifier: pulls the final answer out of a completion and a dataset answer (GSM8K's
+// `#### N`, MATH's `\boxed{...}`), normalises LaTeX and compares. No symbolic algebra: answers
+// that are equal only after simplification ("2x+2" vs "2(x+1)") do not match.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace troupe {
+
+// The answer after the first `####` that has one (GSM8K's marker). Where a number follows
+// (an optional `$` first), that number with thousands commas removed: "#### $1,234." -> "1234",
+// "#### -3.5 kg" -> "-3.5", "#### 3/4" -> "3/4". Otherwise the rest of that line, trimmed
+// ("#### \frac{1}{2}"). nullopt when there is no `####` or nothing follows it.
+std::optional<std::string> extract_gsm8k_answer(std::string_view text);
+
+// The content of the last closed `\boxed{...}` (or `\fbox{...}`), nested and escaped braces
+// respected: "\boxed{\frac{1}{2}}" -> "\frac{1}{2}". Also `\boxed 5` (up to a space or `$`).
+// nullopt when there is none or none is closed.
+std::optional<std::string> extract_boxed(std::string_view text);
+
+// The last number in the text with thousands commas removed: "... so 1,800 eggs." -> "1800".
+// Numbers are `-?digits[.digits]` (commas only in groups of three) and `a/b` fractions; a minus
+// sign counts only after a space, an operator or the start ("5-3" ends in "3", "= -3" in "-3").
+std::optional<std::string> extract_last_number(std::string_view text);
+
+// A completion's final answer: extract_gsm8k_answer, else extract_boxed, else
+// extract_last_number. nullopt when the completion has none of them.
+std::optional<std::string> extract_final_answer(std::string_view completion);
+
+// A dataset's reference answer: extract_gsm8k_answer, else extract_boxed, else the whole text
+// trimmed (MATH-style datasets store the bare answer, e.g. "\frac{3}{4}").
+std::string extract_reference_answer(std::string_view reference);
+
+// Canonical form of one answer, for comparison. In order: drop `$`, `\(`, `\)`, `\[`, `\]`,
+// `\displaystyle`, LaTeX spacing (`\!` `\,` `\;` `\:` `\ `), `\left`/`\right`, degrees (`^\circ`,
+// `^{\circ}`, `°`) and percent signs; `\dfrac`/`\tfrac` -> `\frac`, `\frac12` -> `\frac{1}{2}`,
+// `\sqrt2` -> `\sqrt{2}`; trailing `\text{...}`/`\mbox{...}`/`\mathrm{...}` groups (units) dropped
+// and other ones unwrapped to their content; `1{,}000` -> `1000`; a number followed by words
+// keeps the number ("18 dollars" -> "18"); a short left side `x =` dropped; all whitespace
+// removed; trailing periods removed; one pair of braces around everything removed; thousands
+// commas removed from a plain number; a leading "." gets a "0".
+std::string normalize_math_answer(std::string_view answer);
+
+// The value of a normalised answer that is a plain number: "-3", "2.50", ".5", "3/4",
+// "\frac{3}{4}", "-\frac{3}{4}", "\frac{-3}{4}". nullopt otherwise (or for a zero denominator).
+std::optional<double> parse_math_number(std::string_view normalized);
+
+// Equal after normalize_math_answer: as strings, or as numbers when both parse (relative
+// tolerance 1e-9, so "18" == "18.0" and "0.5" == "\frac{1}{2}" but "0.33" != "1/3"). Two empty
+// answers are not equal.
+bool math_answers_equal(std::string_view a, std::string_view b);
+
+// 1.0 when the completion's final answer equals the reference's (both extracted as above),
+// else 0.0. `reference` is the dataset's answer field, e.g. GSM8K's "... #### 18".
+double math_answer_reward(std::string_view completion, std::string_view reference);
+
+// 1.0 when the completion ends with a final answer in the expected format, else 0.0. With
+// trailing whitespace trimmed, either
+//   (a) its last line is `#### N`: N a number as above, optionally after `$` and followed by
+//       one `.`, nothing else on the line but spaces ("#### 18 dollars" scores 0 here while
+//       math_answer scores it 1); or
+//   (b) it has a closed, non-empty `\boxed{...}` and after the last one only whitespace and the
+//       closers `$`, `\]`, `\)`, `.` follow ("The answer is $\boxed{18}$.").
+double format_reward(std::string_view completion);
+
+}  // namespace troupe
