@@ -15,6 +15,7 @@
 #include "policy/checkpoint.hpp"
 #include "policy/error.hpp"
 #include "policy/perplexity.hpp"
+#include "reward/score_file.hpp"
 
 namespace {
 
@@ -188,11 +189,21 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--max-n", srv.max_n, "Largest n per request")->check(CLI::Range(1, 4096));
   serve_cmd->add_option("--max-tokens", srv.max_tokens, "Largest max_tokens per request")->check(CLI::Range(1, 1 << 20));
 
+  std::string score_reward, score_data;
+  auto* score_cmd = app.add_subcommand("score", "Print one reward score per line of a JSONL file (completion, answer)");
+  score_cmd->add_option("--reward", score_reward, "math_answer, format, a plugin .so path or an http(s):// URL")
+      ->required();
+  score_cmd->add_option("data", score_data, "JSONL: completion, answer and optional prompt per line")->required();
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*generate_cmd) return run_generate(gen);
     if (*tokenize_cmd) return run_tokenize(tokenizer_path, decode);
     if (*serve_cmd) return serve(srv);
+    if (*score_cmd) {
+      for (double v : score_file(score_reward, score_data)) std::cout << v << "\n";
+      return 0;
+    }
     if (*ppl_cmd) {
       auto m = load_model(ppl_model, {.dtype = parse_dtype(ppl_dtype)});
       auto texts = read_jsonl_field(ppl_data, ppl_field, ppl_limit);
