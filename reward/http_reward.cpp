@@ -65,8 +65,8 @@ std::vector<double> HttpReward::post(std::span<const RewardSample> samples) cons
   nlohmann::json batch = nlohmann::json::array();
   for (const auto& s : samples)
     batch.push_back({{"prompt", s.prompt}, {"completion", s.completion}, {"metadata", s.metadata}});
-  std::string body = nlohmann::json{{"samples", std::move(batch)}}.dump(-1, ' ', false,
-                                                                         nlohmann::json::error_handler_t::replace);
+  std::string body =
+      nlohmann::json{{"samples", std::move(batch)}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 
   httplib::Client client(origin_);
   if (!client.is_valid()) throw Error(url + ": cannot make an HTTP client for this address");
@@ -75,7 +75,8 @@ std::vector<double> HttpReward::post(std::span<const RewardSample> samples) cons
   std::string problem;
   const int attempts = options_.retries + 1;
   for (int attempt = 1; attempt <= attempts; ++attempt) {
-    if (attempt > 1) std::this_thread::sleep_for(std::chrono::duration<double>(options_.backoff_s * std::pow(2.0, attempt - 2)));
+    if (attempt > 1)
+      std::this_thread::sleep_for(std::chrono::duration<double>(options_.backoff_s * std::pow(2.0, attempt - 2)));
     auto res = client.Post(path_, body, "application/json");
     if (!res) {
       problem = "request failed (" + httplib::to_string(res.error()) + ")";

@@ -104,7 +104,9 @@ std::optional<Boxed> last_boxed(std::string_view s) {
 }
 
 // A minus sign starts a number only where it cannot be subtraction.
-bool sign_allowed_after(char prev) { return !is_digit(prev) && !is_alpha(prev) && prev != ')' && prev != '}' && prev != ']'; }
+bool sign_allowed_after(char prev) {
+  return !is_digit(prev) && !is_alpha(prev) && prev != ')' && prev != '}' && prev != ']';
+}
 
 // `\text{...}`-like commands: trailing ones are units and dropped, others unwrapped.
 constexpr std::string_view kTextCommands[] = {"\\textnormal", "\\textbf", "\\textrm", "\\text", "\\mbox", "\\mathrm"};
@@ -224,8 +226,10 @@ std::optional<std::string> extract_gsm8k_answer(std::string_view s) {
     if (size_t n = number_length(rest, k)) {
       char next = k + n < rest.size() ? rest[k + n] : ' ';
       bool more_math = is_alpha(next) || next == '\\' || next == '^' || next == '{' || next == '_';  // "2\pi", "2x"
-      if (!more_math) return without_commas(rest.substr(k, n));
+      return more_math ? std::string(rest) : without_commas(rest.substr(k, n));
     }
+    bool latex = rest.find_first_of("\\{") != std::string_view::npos;
+    if (auto last = latex ? std::nullopt : extract_last_number(rest)) return last;  // "#### The answer is 18."
     return std::string(rest);
   }
   return std::nullopt;

@@ -9,10 +9,12 @@
 
 namespace troupe {
 
-// The answer after the first `####` that has one (GSM8K's marker). Where a number follows
-// (an optional `$` first), that number with thousands commas removed: "#### $1,234." -> "1234",
-// "#### -3.5 kg" -> "-3.5", "#### 3/4" -> "3/4". Otherwise the rest of that line, trimmed
-// ("#### \frac{1}{2}"). nullopt when there is no `####` or nothing follows it.
+// The answer after the first `####` that has one (GSM8K's marker), from the rest of its line:
+// where a number comes first (an optional `$` before it), that number with thousands commas
+// removed: "#### $1,234." -> "1234", "#### -3.5 kg" -> "-3.5", "#### 3/4" -> "3/4"; where that
+// number runs on into math ("#### 2\pi", "#### 2x") or the line has LaTeX ("#### \frac{1}{2}"),
+// the whole rest, trimmed; otherwise its last number ("#### The answer is 18." -> "18"), or the
+// rest when it has none. nullopt when there is no `####` or nothing follows it.
 std::optional<std::string> extract_gsm8k_answer(std::string_view text);
 
 // The content of the last closed `\boxed{...}` (or `\fbox{...}`), nested and escaped braces

@@ -49,8 +49,8 @@ struct RewardComponent {
 };
 
 struct RewardScores {
-  std::vector<double> total;               // [N] sum over components of weight * score
-  std::vector<RewardComponent> components; // in the order the rewards were given
+  std::vector<double> total;                // [N] sum over components of weight * score
+  std::vector<RewardComponent> components;  // in the order the rewards were given
 };
 
 // Several rewards as one: score() and score_batch() return the weighted total; score_all()

@@ -47,6 +47,7 @@ const Case kGsm8kCases[] = {
     {"The result is 0.5", "#### .5", 1},
     {"#### 10%", "#### 10", 1},
     {"#### x = 4", "#### 4", 1},
+    {"#### The answer is 18.", "#### 18", 1},
     {"So x = 4", "#### 4", 1},
     {"Janet sells 16 - 3 - 4 = 9 eggs. 9 * 2 = 18", "#### 18", 1},
     {"She makes 9*2=$18 every day.", "#### 18", 1},
@@ -165,6 +166,9 @@ TEST_CASE("extract_gsm8k_answer") {
   CHECK(extract_gsm8k_answer("#### -3.5 kg") == "-3.5");
   CHECK(extract_gsm8k_answer("#### 3/4") == "3/4");
   CHECK(extract_gsm8k_answer("#### 2\\pi") == "2\\pi");
+  CHECK(extract_gsm8k_answer("#### 2x + 1") == "2x + 1");
+  CHECK(extract_gsm8k_answer("#### The answer is 1,800.") == "1800");
+  CHECK(extract_gsm8k_answer("#### eighteen") == "eighteen");
   CHECK(extract_gsm8k_answer("#### \\frac{1}{2}\nmore") == "\\frac{1}{2}");
   CHECK(extract_gsm8k_answer("####\n#### 7") == "7");  // an empty marker is skipped
   CHECK_FALSE(extract_gsm8k_answer("####   "));
