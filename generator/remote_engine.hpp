@@ -1,0 +1,102 @@
+// A client for vLLM-compatible HTTP servers (vLLM, `troupe serve`, llama.cpp's with options):
+// generation through /v1/completions with token-id prompts, returning the same Completion as the
+// built-in Engine, and weight sync through a safetensors folder on disk. No streaming, no chat.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/types.h>
+
+#include "generator/engine.hpp"
+#include "generator/sampling.hpp"
+#include "policy/tokenizer.hpp"
+
+namespace troupe {
+
+struct RemoteOptions {
+  std::string api_key;            // sent as "Authorization: Bearer KEY" when not empty
+  std::string model;              // the request's "model" field; empty leaves it out (one-model servers)
+  double connect_timeout_s = 5;   // per try
+  double timeout_s = 600;         // read/write timeout of one try: a long generation must fit
+  int tries = 3;                  // attempts per call; retried on connection errors and 5xx, never on 4xx
+  double backoff_s = 0.25;        // wait before the second try; doubles for each later one
+  int max_concurrent = 8;         // requests in flight during generate(): one request per prompt
+  int logprobs = 0;               // the request's "logprobs": 0 asks only for the sampled token's
+  nlohmann::json extra = nlohmann::json::object();  // merged over every completion request body
+
+  // For servers that are not vLLM. Each needs a tokenizer and checks what it relies on, so a
+  // mismatch is an Error, never silently different token ids.
+  // Send prompts as text (llama.cpp servers reject token ids). Each prompt must re-encode to
+  // the same ids, and the server's usage.prompt_tokens (or prompt_token_ids) must agree.
+  bool text_prompts = false;
+  // Servers that do not return choices[i].token_ids: map each logprobs.tokens string to the one
+  // vocabulary id that decodes to it; a string no id (or several) decodes to is an Error.
+  bool ids_from_logprob_tokens = false;
+  // Servers that ignore "n": send n requests of one sample each (seeds seed, seed+1, ...).
+  bool one_sample_per_request = false;
+};
+
+class RemoteEngine {
+ public:
+  // base_url: "http://host:port", optionally with a path prefix ("http://host/vllm").
+  explicit RemoteEngine(std::string base_url, RemoteOptions options = {},
+                        std::optional<Tokenizer> tokenizer = std::nullopt);
+
+  // One probe, no retries: GET /health answers 200 (servers without /health: GET /v1/models).
+  bool health() const;
+  // Polls health() until it answers or timeout_s passes; the Error names the URL and last problem.
+  void wait_healthy(double timeout_s) const;
+
+  // One completion per prompt and sample, ordered by prompt, then sample index; request_id is
+  // the prompt's position. Log-probs are whatever the server reports for the sampled token:
+  // vLLM reports the raw model distribution unless started with --logprobs-mode
+  // processed_logprobs (after temperature and truncation); llama.cpp's servers report raw.
+  // Versions come from the answer when the server reports them (troupe serve's "troupe" field),
+  // else they are the last version this client pushed.
+  std::vector<Completion> generate(const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params);
+
+  // Writes the tensors (HF names, their own dtypes) as a safetensors folder in `dir`, then asks
+  // the server to load it: /start_weight_update, /update_weights {"update_info": {"path": dir}},
+  // /finish_weight_update {"weight_version": version}. The folder must be readable by the server.
+  void update_weights(const std::map<std::string, torch::Tensor>& weights, int64_t version,
+                      const std::filesystem::path& dir);
+  int64_t version() const { return version_; }  // the last version pushed (0 before any)
+
+  const std::string& base_url() const { return base_url_; }
+  const RemoteOptions& options() const { return options_; }
+
+  // One call with the retry policy above; returns the parsed JSON answer. Public for callers
+  // that need another endpoint (/v1/models, /pause) and for tests.
+  nlohmann::json post(const std::string& path, const nlohmann::json& body) const;
+  nlohmann::json get(const std::string& path) const;
+
+ private:
+  struct Reply;
+  Reply send(const std::string& method, const std::string& path, const std::string& body) const;
+  std::string call(const std::string& method, const std::string& path, const std::string& body) const;
+  nlohmann::json completion_body(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                                 int64_t n, std::optional<uint64_t> seed) const;
+  std::vector<Completion> complete(uint64_t request_id, const std::vector<int32_t>& prompt,
+                                   const SamplingParams& params) const;
+  std::vector<Completion> parse_completions(const nlohmann::json& answer, const std::string& url,
+                                            uint64_t request_id, const std::vector<int32_t>& prompt,
+                                            const SamplingParams& params, int64_t n) const;
+  std::vector<int32_t> ids_from_tokens(const nlohmann::json& tokens, const std::string& url,
+                                       const std::string& where) const;
+
+  std::string base_url_;      // as given, without a trailing slash: used in messages
+  std::string host_;          // scheme://host:port for the HTTP client
+  std::string prefix_;        // path prefix put before every endpoint ("" or "/vllm")
+  RemoteOptions options_;
+  std::optional<Tokenizer> tokenizer_;
+  std::map<std::string, int32_t> id_of_piece_;  // decode({id}) -> id; -1 where several ids share it
+  int64_t version_ = 0;
+};
+
+}  // namespace troupe
