@@ -11,6 +11,7 @@ namespace troupe {
 
 struct RolloutGroup {
   uint64_t prompt_id = 0;                              // the data cursor's id for the prompt
+  int64_t batch = 0;                                   // the credit batch it was issued in (trained as step `batch`)
   std::vector<int32_t> prompt_ids;                     // [P] prompt token ids
   std::vector<std::vector<int32_t>> completion_ids;    // [G][L_i] completion token ids
   std::vector<std::vector<float>> behaviour_logprobs;  // [G][L_i] log mu(token) recorded while sampling

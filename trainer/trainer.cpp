@@ -69,6 +69,22 @@ torch::Tensor sequence_logprobs(TransformerImpl& model, const Packed& p, int64_t
 
 }  // namespace
 
+std::vector<std::vector<float>> completion_logprobs(TransformerImpl& model, const RolloutGroup& group, int64_t chunk) {
+  torch::NoGradGuard no_grad;
+  std::vector<std::pair<const std::vector<int32_t>*, const std::vector<int32_t>*>> seqs;
+  for (const auto& c : group.completion_ids) seqs.push_back({&group.prompt_ids, &c});
+  auto packed = pack(seqs, {}, {});
+  auto logp = sequence_logprobs(model, packed, chunk).cpu();  // (G, T-1)
+  std::vector<std::vector<float>> out;
+  const int64_t P = group.prompt_ids.size();
+  for (size_t i = 0; i < group.completion_ids.size(); ++i) {
+    const int64_t L = group.completion_ids[i].size();
+    auto row = logp[i].narrow(0, P - 1, L).contiguous();
+    out.emplace_back(row.data_ptr<float>(), row.data_ptr<float>() + L);
+  }
+  return out;
+}
+
 Trainer::Trainer(Transformer model, TrainerConfig config) : model_(std::move(model)), config_(config) {
   if (config_.num_iterations < 1) throw Error("trainer: num_iterations must be at least 1");
   const auto& o = config_.optimizer;

@@ -49,6 +49,11 @@ struct SftExample {
   std::vector<int32_t> completion_ids;
 };
 
+// log pi(token) of every completion token of a group under `model`: [G][L_i]. Used by the
+// reference actor (pi_ref) and by tests; no gradient.
+std::vector<std::vector<float>> completion_logprobs(TransformerImpl& model, const RolloutGroup& group,
+                                                    int64_t chunk = 128);
+
 class Trainer {
  public:
   Trainer(Transformer model, TrainerConfig config);

@@ -1,0 +1,429 @@
+// The actors of the async GRPO graph and the controller that wires them. Each actor wraps one
+// component (Engine, CombinedReward, Trainer) and adds only messaging, versions and failure
+// handling; the blocking ones (generator, reward, reference, trainer) run detached.
+#include "actors/graph.hpp"
+
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+
+#include <torch/torch.h>
+
+#include "policy/checkpoint.hpp"
+#include "policy/error.hpp"
+
+namespace troupe {
+
+using namespace caf;
+using Clock = std::chrono::steady_clock;
+
+void add_message_types(actor_system_config& config) {
+  config.add_message_type<PromptItem>("troupe::PromptItem");
+  config.add_message_type<PromptBatch>("troupe::PromptBatch");
+  config.add_message_type<RolloutGroup>("troupe::RolloutGroup");
+  config.add_message_type<TensorRecord>("troupe::TensorRecord");
+  config.add_message_type<WeightsUpdate>("troupe::WeightsUpdate");
+  config.add_message_type<StepReport>("troupe::StepReport");
+}
+
+std::vector<TensorRecord> to_records(const std::map<std::string, torch::Tensor>& tensors) {
+  std::vector<TensorRecord> out;
+  for (const auto& [name, t] : tensors) {
+    auto c = t.detach().cpu().contiguous();
+    TensorRecord r{name, static_cast<int8_t>(c.scalar_type()), c.sizes().vec(), {}};
+    const char* p = static_cast<const char*>(c.data_ptr());
+    r.bytes.assign(p, p + c.nbytes());
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::map<std::string, torch::Tensor> from_records(const std::vector<TensorRecord>& records) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& r : records) {
+    auto dtype = static_cast<c10::ScalarType>(r.dtype);
+    auto t = torch::empty(r.shape, torch::dtype(dtype));
+    if (static_cast<size_t>(t.nbytes()) != r.bytes.size())
+      throw Error("weights update: tensor '" + r.name + "' has " + std::to_string(r.bytes.size()) +
+                  " bytes for its shape and dtype, expected " + std::to_string(t.nbytes()));
+    std::memcpy(t.data_ptr(), r.bytes.data(), r.bytes.size());
+    out[r.name] = t;
+  }
+  return out;
+}
+
+namespace {
+
+// What the actors report back to run_graph; written under the mutex, read after shutdown.
+struct Outcome {
+  std::mutex mu;
+  std::string error;
+  int64_t steps = 0;
+  std::vector<nlohmann::json> metrics;
+};
+
+// An exception inside an actor ends that actor with an error naming it; the controller, which
+// monitors every actor, then shuts the graph down and run_graph returns the message.
+template <class Self>
+void report_failures(Self* self, std::shared_ptr<Outcome> outcome, std::string who) {
+  self->set_exception_handler([outcome, who](scheduled_actor*, std::exception_ptr& p) -> error {
+    std::string what = "unknown exception";
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    std::lock_guard lock(outcome->mu);
+    if (outcome->error.empty()) outcome->error = who + ": " + what;
+    return make_error(sec::runtime_error, who + ": " + what);
+  });
+}
+
+behavior data_actor(event_based_actor* self, const GraphSpec* spec, std::shared_ptr<Outcome> outcome) {
+  report_failures(self, outcome, "data");
+  return {[=](next_atom, int64_t n, int64_t batch) {
+    PromptBatch out{spec->next_prompts(n)};
+    if (static_cast<int64_t>(out.prompts.size()) != n)
+      throw Error("the data source returned " + std::to_string(out.prompts.size()) + " prompts, " + std::to_string(n) + " were asked for");
+    for (auto& p : out.prompts) p.batch = batch;
+    return out;
+  }};
+}
+
+struct Pending {
+  PromptItem prompt;
+  std::vector<Completion> completions;
+  int64_t done = 0;
+};
+
+struct GeneratorState {
+  std::unique_ptr<Engine> engine;
+  std::map<uint64_t, Pending> pending;  // engine request id -> the prompt and its finished samples
+  bool stepping = false;
+};
+
+RolloutGroup make_group(Pending& p) {
+  RolloutGroup g;
+  g.prompt_id = p.prompt.id;
+  g.batch = p.prompt.batch;
+  g.prompt_ids = p.prompt.ids;
+  g.metadata = p.prompt.metadata;
+  for (auto& c : p.completions) {
+    g.completion_ids.push_back(std::move(c.ids));
+    g.behaviour_logprobs.push_back(std::move(c.logprobs));
+    g.min_version.push_back(c.min_version);
+    g.max_version.push_back(c.max_version);
+    g.truncated.push_back(c.finish_reason == FinishReason::length);
+  }
+  return g;
+}
+
+behavior generator_actor(stateful_actor<GeneratorState>* self, const GraphSpec* spec, actor next,
+                         std::shared_ptr<Outcome> outcome, int64_t index) {
+  report_failures(self, outcome, "generator " + std::to_string(index));
+  self->state.engine = std::make_unique<Engine>(spec->make_policy(), spec->tokenizer, spec->engine);
+  // Steps go through the mailbox, so weight updates are applied between decode steps.
+  auto kick = [=] {
+    if (!self->state.stepping) {
+      self->state.stepping = true;
+      self->send(self, step_atom::value);
+    }
+  };
+  return {
+      [=](PromptBatch& batch) {
+        for (auto& p : batch.prompts) {
+          auto id = self->state.engine->add_request(p.ids, spec->sampling);
+          Pending pending{std::move(p), std::vector<Completion>(spec->sampling.n), 0};
+          self->state.pending.emplace(id, std::move(pending));
+        }
+        kick();
+      },
+      [=](step_atom) {
+        auto& st = self->state;
+        for (auto& c : st.engine->step()) {
+          auto it = st.pending.find(c.request_id);
+          if (it == st.pending.end()) continue;
+          if (c.finish_reason == FinishReason::abort) throw Error("a generation was aborted");
+          it->second.completions[c.index] = std::move(c);
+          if (++it->second.done == spec->sampling.n) {
+            self->send(next, make_group(it->second));
+            st.pending.erase(it);
+          }
+        }
+        if (st.engine->has_work()) {
+          self->send(self, step_atom::value);
+        } else {
+          st.stepping = false;
+        }
+      },
+      [=](const WeightsUpdate& update) { self->state.engine->update_weights(from_records(update.tensors), update.version); },
+  };
+}
+
+behavior reward_actor(event_based_actor* self, const GraphSpec* spec, actor next, std::shared_ptr<Outcome> outcome) {
+  report_failures(self, outcome, "reward");
+  return {[=](RolloutGroup& g) {
+    auto metadata = nlohmann::json::parse(g.metadata, nullptr, /*allow_exceptions=*/false);
+    if (metadata.is_discarded()) metadata = nullptr;
+    std::string prompt = spec->tokenizer ? spec->tokenizer->decode(g.prompt_ids) : "";
+    std::vector<RewardSample> samples;
+    for (const auto& ids : g.completion_ids)
+      samples.push_back({prompt, spec->tokenizer ? spec->tokenizer->decode(ids, /*skip_special_tokens=*/true) : "", metadata});
+    auto scores = spec->reward->score_all(samples);
+    g.reward = std::move(scores.total);
+    for (auto& c : scores.components) g.rewards[c.name] = std::move(c.scores);
+    self->send(next, std::move(g));
+  }};
+}
+
+struct ReferenceState {
+  Transformer model{nullptr};
+};
+
+behavior reference_actor(stateful_actor<ReferenceState>* self, const GraphSpec* spec, actor next,
+                         std::shared_ptr<Outcome> outcome) {
+  report_failures(self, outcome, "reference");
+  self->state.model = spec->make_policy();
+  self->state.model->eval();
+  return {[=](RolloutGroup& g) {
+    g.reference_logprobs = completion_logprobs(*self->state.model, g, spec->trainer.logprob_chunk);
+    self->send(next, std::move(g));
+  }};
+}
+
+struct TrainerState {
+  std::unique_ptr<Trainer> trainer;
+  std::map<int64_t, std::vector<RolloutGroup>> buffer;  // credit batch -> its finished groups
+  int64_t next_batch = 0;
+  Clock::time_point idle_since = Clock::now();
+};
+
+nlohmann::json step_metrics(const StepMetrics& m, const std::vector<RolloutGroup>& groups, int64_t trained_at,
+                            double step_s, double wait_s) {
+  nlohmann::json j;
+  std::map<std::string, std::pair<double, int64_t>> by_name;
+  double staleness_sum = 0;
+  int64_t staleness_max = 0, completion_tokens = 0;
+  for (const auto& g : groups) {
+    int64_t oldest = *std::min_element(g.min_version.begin(), g.min_version.end());
+    staleness_sum += trained_at - oldest;
+    staleness_max = std::max(staleness_max, trained_at - oldest);
+    for (const auto& [name, scores] : g.rewards)
+      for (double s : scores) {
+        by_name[name].first += s;
+        by_name[name].second += 1;
+      }
+    for (const auto& c : g.completion_ids) completion_tokens += c.size();
+  }
+  j["reward/mean"] = m.reward_mean;
+  for (const auto& [name, sum] : by_name) j["reward/" + name + "/mean"] = sum.first / std::max<int64_t>(sum.second, 1);
+  j["loss"] = m.loss;
+  j["kl"] = m.kl;
+  j["clip_fraction"] = m.clip_fraction;
+  j["behaviour_weight/mean"] = m.behaviour_weight;
+  j["grad_norm"] = m.grad_norm;
+  j["lr"] = m.lr;
+  j["staleness/mean"] = groups.empty() ? 0.0 : staleness_sum / groups.size();
+  j["staleness/max"] = staleness_max;
+  j["time/step_s"] = step_s;
+  j["time/generate_wait_s"] = wait_s;
+  j["tokens_per_s"] = completion_tokens / std::max(step_s + wait_s, 1e-9);
+  j["completion_tokens"] = completion_tokens;
+  return j;
+}
+
+void save_checkpoint(const GraphSpec& spec, Trainer& trainer, int64_t step) {
+  if (spec.run_dir.empty()) return;
+  auto dir = spec.run_dir / "checkpoints" / ("step_" + std::to_string(step));
+  LoadedModel m{spec.model_config, trainer.model(), std::nullopt, nullptr, spec.model_source};
+  save_hf_dir(m, dir);
+  std::ofstream(dir / "trainer_state.json") << nlohmann::json{{"step", step}, {"policy_version", trainer.version()}}.dump(2)
+                                            << "\n";
+}
+
+behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec, actor controller,
+                       std::shared_ptr<Outcome> outcome) {
+  report_failures(self, outcome, "trainer");
+  self->state.trainer = std::make_unique<Trainer>(spec->make_policy(), spec->trainer);
+  auto train_ready = [=] {
+    auto& st = self->state;
+    for (auto it = st.buffer.find(st.next_batch);
+         it != st.buffer.end() && static_cast<int64_t>(it->second.size()) >= spec->batch_groups;
+         it = st.buffer.find(st.next_batch)) {
+      auto groups = std::move(it->second);
+      st.buffer.erase(it);
+      const int64_t t = st.trainer->version();
+      // The bound the credits were sized for: a group made by version v trains at t - v <= eta.
+      for (const auto& g : groups) {
+        int64_t v = *std::min_element(g.min_version.begin(), g.min_version.end());
+        if (t - v > spec->max_staleness)
+          throw Error("prompt " + std::to_string(g.prompt_id) + " was generated by policy version " + std::to_string(v) +
+                      " but would train at version " + std::to_string(t) + ", beyond max_staleness " +
+                      std::to_string(spec->max_staleness));
+      }
+      auto start = Clock::now();
+      double wait_s = std::chrono::duration<double>(start - st.idle_since).count();
+      auto metrics = st.trainer->grpo_step(groups);
+      const int64_t step = st.next_batch + 1;
+      // Weights go out before the report: the controller forwards them to the generators
+      // ahead of the prompts it releases in answer, so new prompts meet new weights.
+      if (step % spec->sync_every == 0 && step < spec->steps)
+        self->send(controller, WeightsUpdate{st.trainer->version(), to_records(state_dict(*st.trainer->model()))});
+      if (step == spec->steps || (spec->checkpoint_every > 0 && step % spec->checkpoint_every == 0))
+        save_checkpoint(*spec, *st.trainer, step);
+      st.idle_since = Clock::now();
+      double step_s = std::chrono::duration<double>(st.idle_since - start).count();
+      auto j = step_metrics(metrics, groups, t, step_s, wait_s);
+      j["step"] = step;
+      j["policy_version"] = st.trainer->version();
+      self->send(controller, StepReport{step, j.dump()});
+      ++st.next_batch;
+    }
+  };
+  return {[=](RolloutGroup& g) {
+    self->state.buffer[g.batch].push_back(std::move(g));
+    train_ready();
+  }};
+}
+
+struct ControllerState {
+  actor data;
+  std::vector<actor> generators;
+  std::vector<actor> all;
+  int64_t issued = 0;  // credit batches handed out
+  size_t next_generator = 0;
+  bool shutting_down = false;
+  std::ofstream metrics;
+};
+
+std::string progress_line(const nlohmann::json& j, int64_t steps) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "step %lld/%lld  v%lld  reward %.3f  loss %+.4f  kl %.4f  stale %.2f/%lld  wait %.1fs  train %.1fs  %.0f tok/s",
+                (long long)j["step"].get<int64_t>(), (long long)steps, (long long)j["policy_version"].get<int64_t>(),
+                j["reward/mean"].get<double>(), j["loss"].get<double>(), j["kl"].get<double>(),
+                j["staleness/mean"].get<double>(), (long long)j["staleness/max"].get<int64_t>(),
+                j["time/generate_wait_s"].get<double>(), j["time/step_s"].get<double>(), j["tokens_per_s"].get<double>());
+  return buf;
+}
+
+behavior controller_actor(stateful_actor<ControllerState>* self, const GraphSpec* spec, std::shared_ptr<Outcome> outcome,
+                          actor waiter) {
+  auto shutdown = [=] {
+    auto& st = self->state;
+    if (st.shutting_down) return;
+    st.shutting_down = true;
+    for (const auto& a : st.all) self->send_exit(a, exit_reason::user_shutdown);
+    self->send(waiter, tick_atom::value);
+    self->quit();
+  };
+  self->set_down_handler([=](down_msg& dm) {
+    if (self->state.shutting_down) return;
+    std::lock_guard lock(outcome->mu);
+    if (outcome->error.empty())
+      outcome->error = "an actor stopped unexpectedly: " + (dm.reason ? to_string(dm.reason) : std::string("normal exit"));
+    shutdown();
+  });
+  report_failures(self, outcome, "controller");
+
+  auto& st = self->state;
+  if (!spec->run_dir.empty()) {
+    std::filesystem::create_directories(spec->run_dir);
+    st.metrics.open(spec->run_dir / "metrics.jsonl", std::ios::app);
+  }
+  // Downstream first, so each actor is spawned knowing where to send. The trainer's weights
+  // come back through the controller, which forwards them to the generators.
+  auto trainer = self->spawn<detached>(trainer_actor, spec, actor{self}, outcome);
+  auto after_reward = trainer;
+  if (spec->reference) after_reward = self->spawn<detached>(reference_actor, spec, trainer, outcome);
+  auto reward = self->spawn<detached>(reward_actor, spec, after_reward, outcome);
+  for (int64_t i = 0; i < spec->generators; ++i)
+    st.generators.push_back(self->spawn<detached>(generator_actor, spec, reward, outcome, i));
+  st.data = self->spawn<detached>(data_actor, spec, outcome);
+  st.all = st.generators;
+  for (const auto& a : {trainer, reward, st.data}) st.all.push_back(a);
+  if (spec->reference) st.all.push_back(after_reward);
+  for (const auto& a : st.all) self->monitor(a);
+
+  // Credits: batch k is released once step k - eta - 1 has reported, so at most (eta + 1)
+  // batches are in flight or buffered and every group trains within eta versions. Weights
+  // sent only every sync_every steps lag by up to sync_every - 1 versions, paid for in credits.
+  auto release = [=] {
+    auto& st = self->state;
+    const int64_t k = st.issued++;
+    self->request(st.data, infinite, next_atom::value, spec->batch_groups, k).then([=](PromptBatch& batch) {
+      auto& st = self->state;
+      // Spread the batch over the generators, one slice each, round robin.
+      std::vector<PromptBatch> parts(st.generators.size());
+      for (auto& p : batch.prompts) parts[st.next_generator++ % parts.size()].prompts.push_back(std::move(p));
+      for (size_t g = 0; g < parts.size(); ++g)
+        if (!parts[g].prompts.empty()) self->send(st.generators[g], std::move(parts[g]));
+    });
+  };
+  for (int64_t k = 0; k < std::min(spec->steps, spec->max_staleness - spec->sync_every + 2); ++k) release();
+  self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
+
+  return {
+      [=](const WeightsUpdate& update) {
+        for (const auto& g : self->state.generators) self->send(g, update);
+      },
+      [=](const StepReport& report) {
+        auto& st = self->state;
+        auto j = nlohmann::json::parse(report.json);
+        if (st.metrics.is_open()) st.metrics << report.json << "\n" << std::flush;
+        if (!spec->quiet) std::cout << progress_line(j, spec->steps) << std::endl;
+        if (spec->on_step) spec->on_step(j);
+        {
+          std::lock_guard lock(outcome->mu);
+          outcome->steps = report.step;
+          outcome->metrics.push_back(j);
+        }
+        if (report.step >= spec->steps) {
+          shutdown();
+        } else if (st.issued < spec->steps) {
+          release();
+        }
+      },
+      [=](tick_atom) {
+        if (spec->stop_requested && spec->stop_requested->load()) {
+          {
+            std::lock_guard lock(outcome->mu);
+            if (outcome->error.empty()) outcome->error = "stopped on request after step " + std::to_string(outcome->steps);
+          }
+          shutdown();
+          return;
+        }
+        self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
+      },
+  };
+}
+
+}  // namespace
+
+GraphResult run_graph(const GraphSpec& spec) {
+  if (!spec.make_policy || !spec.next_prompts || !spec.reward) throw Error("run_graph: the spec needs a policy, a data source and a reward");
+  if (spec.batch_groups < 1 || spec.steps < 1 || spec.generators < 1 || spec.max_staleness < 0 || spec.sync_every < 1)
+    throw Error("run_graph: batch_groups, steps, generators and sync_every must be >= 1 and max_staleness >= 0");
+  if (spec.sync_every > spec.max_staleness + 1)
+    throw Error("run_graph: sync_every " + std::to_string(spec.sync_every) + " would break max_staleness " +
+                std::to_string(spec.max_staleness) + " (needs sync_every <= max_staleness + 1)");
+  auto outcome = std::make_shared<Outcome>();
+  {
+    actor_system_config config;
+    add_message_types(config);
+    actor_system system{config};
+    scoped_actor self{system};
+    system.spawn(controller_actor, &spec, outcome, actor{self});
+    self->receive([](tick_atom) {});
+  }  // the system waits here for every actor to finish
+  GraphResult r;
+  r.error = outcome->error;
+  r.steps = outcome->steps;
+  r.metrics = outcome->metrics;
+  r.ok = r.error.empty() && r.steps == spec.steps;
+  return r;
+}
+
+}  // namespace troupe

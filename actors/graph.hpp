@@ -1,0 +1,71 @@
+// The async GRPO actor graph: data -> generators -> reward -> (reference) -> trainer, with
+// weights flowing back after each step and prompt credits bounding staleness. Everything a
+// run needs arrives in GraphSpec, so tests and `troupe run` launch the same graph.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "actors/messages.hpp"
+#include "generator/engine.hpp"
+#include "policy/tokenizer.hpp"
+#include "policy/transformer.hpp"
+#include "reward/registry.hpp"
+#include "trainer/trainer.hpp"
+
+namespace troupe {
+
+struct GraphSpec {
+  // Each generator, the trainer and the reference get their own copy of the weights.
+  std::function<Transformer()> make_policy;
+  std::optional<Tokenizer> tokenizer;  // decodes completions for rewards; stop strings
+  // The data source: the next n prompts (ids, text, metadata). Called by the data actor only.
+  std::function<std::vector<PromptItem>(int64_t n)> next_prompts;
+  std::shared_ptr<const CombinedReward> reward;
+
+  TrainerConfig trainer;
+  int64_t batch_groups = 8;  // rollout groups per optimizer step
+  int64_t steps = 10;        // optimizer steps in the run
+
+  EngineOptions engine;
+  SamplingParams sampling;   // n is the group size G
+  int64_t generators = 1;
+
+  int64_t max_staleness = 1;  // eta: a group made by version v trains at t only if t - v <= eta
+  int64_t sync_every = 1;     // weights go to the generators after every k-th step
+  bool reference = false;     // spawn a reference actor (needed when trainer.loss.beta > 0)
+
+  std::filesystem::path run_dir;       // metrics.jsonl and checkpoints; empty: write nothing
+  std::filesystem::path model_source;  // copied tokenizer files come from here on checkpoint
+  ModelConfig model_config;            // written as config.json on checkpoint
+  int64_t checkpoint_every = 0;        // 0: only at the end (when run_dir is set)
+  bool quiet = false;                  // no progress line per step
+
+  std::function<void(const nlohmann::json&)> on_step;  // sees every step's metrics
+  const std::atomic<bool>* stop_requested = nullptr;   // e.g. set by SIGINT: shut down cleanly
+};
+
+struct GraphResult {
+  bool ok = false;
+  std::string error;  // the failing actor and why, when !ok
+  int64_t steps = 0;  // optimizer steps completed
+  std::vector<nlohmann::json> metrics;
+};
+
+// Spawns the graph, runs it to `steps` optimizer steps (or a stop request, or a failed actor),
+// shuts everything down and returns. Never throws for failures inside actors.
+GraphResult run_graph(const GraphSpec& spec);
+
+// Weight records for a WeightsUpdate, and back (the generator side).
+std::vector<TensorRecord> to_records(const std::map<std::string, torch::Tensor>& tensors);
+std::map<std::string, torch::Tensor> from_records(const std::vector<TensorRecord>& records);
+
+}  // namespace troupe
