@@ -1,0 +1,213 @@
+// The run configuration: one YAML file (plus key.path=value overrides) parsed into typed
+// structs, with errors naming file, line and key. No LibTorch, no CAF, and no file checks except validate_paths().
+//
+// Paths inside a config are relative to the current working directory of the process that
+// reads it (run troupe from the repository root), not to the config file's folder: that is
+// what the shipped configs assume and what `troupe run configs/x.yaml` users expect.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace troupe {
+
+struct RewardSpec;  // reward/registry.hpp; to_reward_specs() converts to it
+
+// Every recipe name is accepted so that configs can be written ahead of their code; today all
+// of them share the GRPO sections below. sft, lora, dpo and ppo get their own sections (and
+// `troupe run` support) with issue 5: until then only grpo runs.
+enum class Recipe { grpo, sft, lora, dpo, ppo };
+enum class ModelDtype { float32, bfloat16 };
+enum class EngineKind { builtin, remote };
+enum class RewardScaling { group, batch, none };
+enum class LossAggregation { grpo, dr_grpo, dapo };
+enum class LossKind { grpo };  // ppo's clipped value loss comes with issue 5
+
+// Names as written in YAML, in enum order.
+inline constexpr std::array<std::string_view, 5> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo"};
+inline constexpr std::array<std::string_view, 2> kModelDtypeNames = {"float32", "bfloat16"};
+inline constexpr std::array<std::string_view, 2> kEngineNames = {"builtin", "remote"};
+inline constexpr std::array<std::string_view, 3> kRewardScalingNames = {"group", "batch", "none"};
+inline constexpr std::array<std::string_view, 3> kLossAggregationNames = {"grpo", "dr_grpo", "dapo"};
+inline constexpr std::array<std::string_view, 1> kLossKindNames = {"grpo"};
+// The reward kinds the config accepts; a test checks they cover reward/'s built-ins.
+inline constexpr std::array<std::string_view, 4> kRewardKindNames = {"math_answer", "format", "plugin", "http"};
+
+inline std::string_view to_string(Recipe v) { return kRecipeNames[static_cast<size_t>(v)]; }
+inline std::string_view to_string(ModelDtype v) { return kModelDtypeNames[static_cast<size_t>(v)]; }
+inline std::string_view to_string(EngineKind v) { return kEngineNames[static_cast<size_t>(v)]; }
+inline std::string_view to_string(RewardScaling v) { return kRewardScalingNames[static_cast<size_t>(v)]; }
+inline std::string_view to_string(LossAggregation v) { return kLossAggregationNames[static_cast<size_t>(v)]; }
+inline std::string_view to_string(LossKind v) { return kLossKindNames[static_cast<size_t>(v)]; }
+
+struct ModelSection {
+  std::string path;                 // required: a Hugging Face folder or a .gguf file
+  ModelDtype dtype = ModelDtype::float32;     // weights and compute, for the trainer and built-in generators
+  std::string device = "cpu";       // cpu, cuda or cuda:N
+  bool operator==(const ModelSection&) const = default;
+};
+
+struct DatasetSection {
+  std::string path;                   // required: JSONL, one prompt per line
+  std::string prompt = "prompt";      // field holding the prompt text (GSM8K: question)
+  std::string answer = "answer";      // field holding the reference answer (the rewards see the whole record
+                                      // as metadata); every record must have it; "" for none
+  std::optional<std::string> system;  // a system message before each prompt (chat_template only)
+  bool chat_template = true;          // wrap the prompt as a user turn with the model's chat template
+  int64_t limit = 0;                  // read only the first N records; 0: all
+  bool operator==(const DatasetSection&) const = default;
+};
+
+struct DataSection {
+  DatasetSection train;
+  std::optional<DatasetSection> eval;  // held-out prompts; absent: no evaluation
+  bool shuffle = true;                // reshuffle the prompts every epoch
+  uint64_t seed = 0;                  // shuffling seed; absent in the file: run.seed
+  bool operator==(const DataSection&) const = default;
+};
+
+struct GeneratorSection {
+  int64_t count = 1;                       // generator actors (engines or remote servers' clients)
+  EngineKind engine = EngineKind::builtin; // builtin: in-process Engine; remote: a vLLM-compatible server
+  std::string url;                         // remote only: the server's base URL, http(s)://host:port
+  int64_t group_size = 8;                  // G: completions per prompt (TRL's num_generations)
+  int64_t max_tokens = 256;                // new tokens per completion (TRL's max_completion_length)
+  double temperature = 1.0;                // 0 is greedy, which gives GRPO no signal
+  double top_p = 1.0;                      // nucleus sampling, in (0, 1]
+  int64_t top_k = -1;                      // -1 or 0 keep every token
+  double min_p = 0.0;                      // drop tokens below min_p x the top token's probability
+  int64_t max_batch = 32;                  // builtin: sequences decoded together
+  int64_t max_seq_len = 2048;              // builtin: prompt + completion tokens per sequence
+  std::vector<std::string> stop;           // stop strings, besides the model's end-of-turn tokens
+  bool operator==(const GeneratorSection&) const = default;
+};
+
+// Mirrors troupe::RewardSpec (reward/registry.hpp) field for field; to_reward_specs converts.
+struct RewardSection {
+  std::string name;                   // required, unique: metrics report reward/<name>/mean
+  std::string kind;                   // math_answer, format, plugin or http; absent: plugin if `plugin`
+                                      // is set, http if `url` is (stored resolved)
+  double weight = 1.0;                // total reward = sum of weight x score (may be 0 or negative)
+  std::string answer_key = "answer";  // math_answer: the metadata field holding the reference
+  std::string plugin;                 // plugin: path of the shared library
+  std::string url;                    // http: where to POST batches
+  double timeout_s = 30.0;            // http: timeout per attempt
+  int64_t retries = 2;                // http: extra attempts on connection errors, timeouts and 5xx
+  double backoff_s = 0.5;             // http: first retry waits this long, then doubling
+  int64_t max_batch = 0;              // http: samples per request (0: one request per batch)
+  bool operator==(const RewardSection&) const = default;
+};
+
+struct ReferenceSection {
+  bool enabled = false;  // absent in the file: true exactly when trainer.loss.beta > 0
+  std::string path;      // absent: model.path (the frozen starting policy)
+  bool operator==(const ReferenceSection&) const = default;
+};
+
+struct LossSection {
+  LossKind kind = LossKind::grpo;
+  LossAggregation aggregation = LossAggregation::dapo;  // grpo: mean per sequence; dr_grpo: / max_tokens; dapo: per token
+  double epsilon = 0.2;         // lower clip, ratio >= 1 - epsilon; YAML: clip: [epsilon, epsilon_high] or the two keys
+  double epsilon_high = 0.28;   // upper clip, ratio <= 1 + epsilon_high (DAPO's clip-higher)
+  double beta = 0.0;            // weight of the k3 KL to the reference; 0 spawns no reference
+  double behaviour_cap = 5.0;   // truncation of pi_prox / mu (decoupled PPO's behaviour weight)
+  bool operator==(const LossSection&) const = default;
+};
+
+// A short supervised stage before RL, to teach the answer format.
+struct SftWarmupSection {
+  std::string path;                     // required: JSONL with prompt and completion fields
+  std::string prompt = "prompt";        // field holding the prompt
+  std::string completion = "completion";  // field holding the target completion
+  int64_t steps = 0;                    // required, >= 1: optimizer steps
+  double lr = 0;                        // absent: trainer.lr
+  bool operator==(const SftWarmupSection&) const = default;
+};
+
+struct TrainerSection {
+  int64_t batch_groups = 8;      // rollout groups (prompts x G completions) per optimizer step
+  int64_t steps = 100;           // total optimizer steps of the run (also the cosine schedule's length)
+  double lr = 1e-6;              // peak learning rate (AdamW)
+  double weight_decay = 0.0;
+  int64_t warmup_steps = 0;      // linear warmup from 0
+  double min_lr_ratio = 0.0;     // cosine decays to min_lr_ratio x lr at `steps`
+  double max_grad_norm = 1.0;    // 0 disables clipping
+  int64_t micro_batch = 0;       // sequences per forward/backward (gradient accumulation); 0: all at once
+  int64_t num_iterations = 1;    // optimizer passes over each batch (GRPO's mu)
+  int64_t logprob_chunk = 128;   // sequence positions per LM-head chunk (memory vs speed)
+  RewardScaling scale_rewards = RewardScaling::group;  // divide advantages by the group's std, the batch's, or not
+  bool mask_truncated_completions = false;           // completions cut at max_tokens contribute no loss
+  LossSection loss;
+  std::optional<SftWarmupSection> sft_warmup;
+  bool operator==(const TrainerSection&) const = default;
+};
+
+struct AsyncSection {
+  int64_t max_staleness = 1;  // eta: a group from policy version v trains at version t only if t - v <= eta; 0 is on-policy
+  int64_t sync_every = 1;     // k: push weights to the generators every k optimizer steps (k <= eta + 1)
+  bool operator==(const AsyncSection&) const = default;
+};
+
+struct RunSection {
+  std::string dir;              // outputs (config.yaml, metrics.jsonl, checkpoints); absent: runs/<config file stem>
+  int64_t checkpoint_every = 0; // optimizer steps between checkpoints; 0: only at the end
+  int64_t log_every = 1;        // optimizer steps between progress lines
+  uint64_t seed = 0;            // seeds sampling, shuffling (unless data.seed) and initialisation
+  bool deterministic = false;   // deterministic kernels and ordering, for exact resume (slower)
+  bool operator==(const RunSection&) const = default;
+};
+
+// Where each key came from, for later errors ("configs/x.yaml:4: model.path: ..."). Not part of
+// the config's value: two configs that differ only in origin compare equal.
+struct ConfigOrigin {
+  std::string file;                               // the config path as given
+  std::map<std::string, std::string> locations;   // key path -> "file:line" or "file: override k=v"
+  // The most precise location known for `key` (itself, else its nearest parent, else the file).
+  std::string at(const std::string& key) const;
+  bool operator==(const ConfigOrigin&) const { return true; }
+};
+
+struct RunConfig {
+  Recipe recipe = Recipe::grpo;
+  ModelSection model;
+  DataSection data;
+  GeneratorSection generator;
+  std::vector<RewardSection> rewards;  // at least one for grpo and ppo
+  ReferenceSection reference;
+  TrainerSection trainer;
+  AsyncSection async;
+  RunSection run;
+  ConfigOrigin origin;
+  bool operator==(const RunConfig&) const = default;
+};
+
+// Reads and checks `path`, after applying `overrides` ("key.path=value", the value parsed as
+// YAML: 1e-6, true, [0.2, 0.28], text). List items are addressed by index: rewards.0.weight=2.
+// Throws troupe::Error: "configs/x.yaml:12: trainer.lr: must be > 0, got -1".
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// The same from YAML text; `source` names it in errors and gives run.dir's default stem.
+RunConfig parse_run_config(const std::string& yaml, const std::string& source,
+                           const std::vector<std::string>& overrides = {});
+
+// Checks that the files and folders the config names exist (model, reference, data, reward
+// plugins), relative to the current directory. Throws troupe::Error naming the key and line.
+void validate_paths(const RunConfig& config);
+
+// The resolved config as YAML (every field, defaults filled in): what runs/NAME/config.yaml
+// holds, and load_run_config of it gives back an equal RunConfig.
+std::string to_yaml(const RunConfig& config);
+
+// One line for `troupe validate`: "recipe grpo, model ..., 1 builtin generator x G=8, ...".
+std::string summary(const RunConfig& config);
+
+// The rewards as reward/ specs, ready for make_combined_reward (defined in reward_specs.cpp,
+// which links troupe_reward).
+std::vector<RewardSpec> to_reward_specs(const RunConfig& config);
+
+}  // namespace troupe

@@ -1,0 +1,316 @@
+// The run config: every shipped config loads and round-trips; overrides apply; each kind of bad
+// input is an error naming the file, the line and the key. No actors run here.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "actors/config.hpp"
+#include "policy/error.hpp"
+#include "reward/registry.hpp"
+#include "tests/test_util.hpp"
+
+namespace fs = std::filesystem;
+using namespace troupe;
+
+namespace {
+
+// A small valid config; line numbers below refer to it.
+const std::string kBase =
+    "recipe: grpo\n"                                     // 1
+    "model:\n"                                           // 2
+    "  path: models/m.gguf\n"                            // 3
+    "data:\n"                                            // 4
+    "  train: {path: data/train.jsonl, prompt: question}\n"  // 5
+    "generator:\n"                                       // 6
+    "  group_size: 8\n"                                  // 7
+    "  temperature: 0.9\n"                               // 8
+    "rewards:\n"                                         // 9
+    "  - {name: correct, kind: math_answer}\n"           // 10
+    "trainer:\n"                                         // 11
+    "  lr: 1.0e-6\n"                                     // 12
+    "  loss: {clip: [0.2, 0.28], beta: 0.0}\n"           // 13
+    "async: {max_staleness: 1}\n";                       // 14
+
+// The error parse_run_config throws for `yaml` (named configs/x.yaml), or "" when it loads.
+std::string error_of(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  try {
+    parse_run_config(yaml, "configs/x.yaml", overrides);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// kBase with line `n` (1-based) replaced.
+std::string with_line(int n, const std::string& line) {
+  std::string out, cur;
+  int i = 0;
+  for (char c : kBase) {
+    cur += c;
+    if (c == '\n') {
+      out += ++i == n ? line + "\n" : cur;
+      cur.clear();
+    }
+  }
+  return out;
+}
+
+std::vector<fs::path> shipped_configs() {
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(test::source() / "configs"))
+    if (e.path().extension() == ".yaml") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+fs::path write_temp(const std::string& name, const std::string& text) {
+  auto p = fs::temp_directory_path() / name;
+  std::ofstream(p) << text;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("every config in configs/ loads and survives to_yaml") {
+  auto files = shipped_configs();
+  REQUIRE(files.size() >= 3);
+  for (const auto& f : files) {
+    CAPTURE(f);
+    RunConfig c = load_run_config(f.string());
+    CHECK(c.recipe == Recipe::grpo);
+    CHECK(!c.rewards.empty());
+    CHECK(c.generator.max_seq_len > c.generator.max_tokens);
+    CHECK(parse_run_config(to_yaml(c), "config.yaml") == c);
+    for (const auto& spec : to_reward_specs(c)) CHECK_NOTHROW(spec.validate());
+  }
+}
+
+TEST_CASE("the shipped GSM8K config says what the issue asks for") {
+  auto c = load_run_config((test::source() / "configs" / "smollm2_gsm8k_async_grpo.yaml").string());
+  CHECK(c.model.path == "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+  CHECK(c.data.train.path == "../shared/data/gsm8k/train.jsonl");
+  CHECK(c.generator.group_size == 8);
+  CHECK(c.generator.max_tokens == 256);
+  CHECK(c.async.max_staleness == 1);
+  REQUIRE(c.rewards.size() == 2);
+  CHECK(c.rewards[0].kind == "math_answer");
+  CHECK(c.rewards[1].kind == "format");
+}
+
+TEST_CASE("defaults: reference follows beta, run.dir the file name, data.seed run.seed") {
+  auto c = parse_run_config(kBase, "configs/my_run.yaml");
+  CHECK(c.reference.enabled == false);
+  CHECK(c.reference.path == "models/m.gguf");
+  CHECK(c.run.dir == "runs/my_run");
+  CHECK(c.trainer.loss.aggregation == LossAggregation::dapo);
+  CHECK(c.trainer.loss.epsilon == 0.2);
+  CHECK(c.trainer.loss.epsilon_high == 0.28);
+  CHECK(c.data.train.prompt == "question");
+  CHECK(c.data.train.answer == "answer");
+  CHECK(c.generator.temperature == 0.9);
+  CHECK(c.origin.at("generator.temperature") == "configs/my_run.yaml:8");
+  CHECK(c.origin.at("trainer.loss.beta") == "configs/my_run.yaml:13");
+  CHECK(c.origin.at("trainer.steps") == "configs/my_run.yaml:11");  // absent: its section
+
+  auto kl = parse_run_config(kBase, "x.yaml", {"trainer.loss.beta=0.04", "run.seed=7"});
+  CHECK(kl.reference.enabled == true);
+  CHECK(kl.reference.path == "models/m.gguf");
+  CHECK(kl.data.seed == 7);
+
+  // TRL's rule: epsilon alone sets both bounds.
+  auto eps = parse_run_config(with_line(13, "  loss: {epsilon: 0.1}"), "x.yaml");
+  CHECK(eps.trainer.loss.epsilon == 0.1);
+  CHECK(eps.trainer.loss.epsilon_high == 0.1);
+}
+
+TEST_CASE("overrides apply before validation") {
+  auto c = parse_run_config(kBase, "configs/x.yaml",
+                            {"trainer.lr=3e-6", "generator.group_size=4", "trainer.loss.clip=[0.1, 0.3]",
+                             "rewards.0.weight=2", "rewards.1={name: fmt, kind: format}", "data.eval.path=data/test.jsonl",
+                             "generator.stop=[\"\\n\\n\", END]", "model.dtype=bfloat16", "run.deterministic=true"});
+  CHECK(c.trainer.lr == 3e-6);
+  CHECK(c.generator.group_size == 4);
+  CHECK(c.trainer.loss.epsilon == 0.1);
+  CHECK(c.trainer.loss.epsilon_high == 0.3);
+  REQUIRE(c.rewards.size() == 2);
+  CHECK(c.rewards[0].weight == 2.0);
+  CHECK(c.rewards[1].kind == "format");
+  REQUIRE(c.data.eval.has_value());
+  CHECK(c.data.eval->path == "data/test.jsonl");
+  CHECK(c.data.eval->prompt == "prompt");
+  CHECK(c.generator.stop == std::vector<std::string>{"\n\n", "END"});
+  CHECK(c.model.dtype == ModelDtype::bfloat16);
+  CHECK(c.run.deterministic);
+  CHECK(c.origin.at("trainer.lr") == "configs/x.yaml, override 'trainer.lr=3e-6'");
+  CHECK(parse_run_config(to_yaml(c), "y.yaml") == c);
+
+  // The later of two overrides wins; a value with '=' and ':' in it stays whole.
+  auto url = parse_run_config(kBase, "x.yaml",
+                              {"generator.engine=remote", "generator.url=http://h:1/v1?a=b", "trainer.lr=1", "trainer.lr=2"});
+  CHECK(url.generator.url == "http://h:1/v1?a=b");
+  CHECK(url.trainer.lr == 2.0);
+}
+
+TEST_CASE("bad overrides name the override and the key") {
+  CHECK(error_of(kBase, {"generator.temprature=0.7"}) ==
+        "configs/x.yaml, override 'generator.temprature=0.7': generator.temprature: unknown key (did you mean temperature?)");
+  CHECK(error_of(kBase, {"trainer.lr=-1"}) == "configs/x.yaml, override 'trainer.lr=-1': trainer.lr: must be > 0, got -1");
+  CHECK(error_of(kBase, {"generator.group_size=eight"}) ==
+        "configs/x.yaml, override 'generator.group_size=eight': generator.group_size: expected an integer, got \"eight\"");
+  CHECK(error_of(kBase, {"nonsense"}) == "configs/x.yaml, override 'nonsense': expected key.path=value (e.g. trainer.lr=1e-6)");
+  CHECK(error_of(kBase, {"trainer..lr=1"}).find("empty key name") != std::string::npos);
+  CHECK(error_of(kBase, {"rewards.5.weight=1"}) ==
+        "configs/x.yaml, override 'rewards.5.weight=1': rewards.5: expected a list index in [0, 1]");
+  CHECK(error_of(kBase, {"trainer.lr.x=1"}) ==
+        "configs/x.yaml, override 'trainer.lr.x=1': trainer.lr.x: trainer.lr is a single value, not a section");
+  CHECK(error_of(kBase, {"trainer.loss.clip=[0.2"}).find("the value is not valid YAML") != std::string::npos);
+  CHECK(error_of(kBase, {"trainr.lr=1"}) ==
+        "configs/x.yaml, override 'trainr.lr=1': trainr: unknown key (did you mean trainer?)");
+}
+
+TEST_CASE("each kind of bad input names file, line and key") {
+  // Unknown keys, with the nearest known one.
+  CHECK(error_of(with_line(8, "  temprature: 0.9")) ==
+        "configs/x.yaml:8: generator.temprature: unknown key (did you mean temperature?)");
+  CHECK(error_of(with_line(3, "  pth: models/m.gguf")) == "configs/x.yaml:3: model.pth: unknown key (did you mean path?)");
+  CHECK(error_of(kBase + "optimiser: {}\n") ==
+        "configs/x.yaml:15: optimiser: unknown key (expected one of: recipe, model, data, generator, rewards, reference, "
+        "trainer, async, run)");
+  // Wrong types.
+  CHECK(error_of(with_line(7, "  group_size: eight")) ==
+        "configs/x.yaml:7: generator.group_size: expected an integer, got \"eight\"");
+  CHECK(error_of(with_line(7, "  group_size: 8.5")) == "configs/x.yaml:7: generator.group_size: expected an integer, got \"8.5\"");
+  CHECK(error_of(with_line(7, "  group_size: \"8\"")) ==
+        "configs/x.yaml:7: generator.group_size: expected an integer, got the quoted string \"8\"");
+  CHECK(error_of(with_line(7, "  group_size: [8]")) == "configs/x.yaml:7: generator.group_size: expected an integer, got a list");
+  CHECK(error_of(with_line(12, "  lr:")) == "configs/x.yaml:12: trainer.lr: expected a number, got nothing (an empty value)");
+  CHECK(error_of(with_line(12, "  lr: .nan")) == "configs/x.yaml:12: trainer.lr: expected a number, got \".nan\"");
+  CHECK(error_of(with_line(3, "  path: {a: 1}")) == "configs/x.yaml:3: model.path: expected a string, got a map");
+  CHECK(error_of(with_line(14, "async: 3")) == "configs/x.yaml:14: async: expected a map of keys, got \"3\"");
+  CHECK(error_of(kBase + "run: {deterministic: maybe}\n") ==
+        "configs/x.yaml:15: run.deterministic: expected true or false, got \"maybe\"");
+  CHECK(error_of(kBase + "run: {seed: -1}\n") == "configs/x.yaml:15: run.seed: expected a non-negative integer, got \"-1\"");
+  // Out of range.
+  CHECK(error_of(with_line(12, "  lr: -1")) == "configs/x.yaml:12: trainer.lr: must be > 0, got -1");
+  CHECK(error_of(with_line(7, "  group_size: 0")) == "configs/x.yaml:7: generator.group_size: must be >= 1, got 0");
+  CHECK(error_of(with_line(8, "  top_p: 1.5")) == "configs/x.yaml:8: generator.top_p: must be in (0, 1], got 1.5");
+  CHECK(error_of(with_line(13, "  loss: {clip: [0.2, 1.5]}")) ==
+        "configs/x.yaml:13: trainer.loss.clip: epsilon_high (the second value) must be in (0, 1), got 1.5");
+  CHECK(error_of(with_line(13, "  loss: {clip: [0.2]}")) ==
+        "configs/x.yaml:13: trainer.loss.clip: expected [epsilon, epsilon_high], two numbers, got a list");
+  CHECK(error_of(with_line(13, "  loss: {clip: [0.2, 0.3], epsilon: 0.2}")) ==
+        "configs/x.yaml:13: trainer.loss.clip: give clip: [low, high] or epsilon/epsilon_high, not both");
+  CHECK(error_of(with_line(14, "async: {max_staleness: 0, sync_every: 2}")) ==
+        "configs/x.yaml:14: async.sync_every: must be <= async.max_staleness + 1 = 1 (generators would fall further "
+        "behind than max_staleness allows), got 2");
+  CHECK(error_of(with_line(14, "async: {max_staleness: -1}")) ==
+        "configs/x.yaml:14: async.max_staleness: must be >= 0 (0: synchronous, on-policy), got -1");
+  // Missing required keys: at the line of the section that should hold them.
+  CHECK(error_of(with_line(3, "  dtype: float32")) ==
+        "configs/x.yaml:2: model.path: required: the model to train: a Hugging Face folder or a .gguf file");
+  CHECK(error_of(with_line(10, "  - {kind: math_answer}")) ==
+        "configs/x.yaml:10: rewards.0.name: required: a unique name (metrics report reward/<name>/mean)");
+  CHECK(error_of(with_line(1, "# no recipe")) == "configs/x.yaml:2: recipe: required: one of grpo, sft, lora, dpo, ppo");
+  CHECK(error_of(with_line(10, "  []")).find("configs/x.yaml:9: rewards: required: at least one reward") == 0);
+  // Wrong names.
+  CHECK(error_of(with_line(1, "recipe: grpo2")) ==
+        "configs/x.yaml:1: recipe: expected one of grpo, sft, lora, dpo, ppo, got \"grpo2\" (did you mean grpo?)");
+  CHECK(error_of(with_line(3, "  path: m\n  dtype: fp16")) ==
+        "configs/x.yaml:4: model.dtype: expected one of float32, bfloat16, got \"fp16\"");
+  CHECK(error_of(with_line(10, "  - {name: c, kind: math_anser}")) ==
+        "configs/x.yaml:10: rewards.0.kind: expected one of math_answer, format, plugin, http, got \"math_anser\" (did you "
+        "mean math_answer?)");
+  // Cross-field rules.
+  CHECK(error_of(kBase + "generator: {engine: remote}\n").find("duplicate key") != std::string::npos);
+  CHECK(error_of(with_line(7, "  engine: remote")) ==
+        "configs/x.yaml:7: generator.engine: engine: remote needs url: http://host:port of a vLLM-compatible server");
+  CHECK(error_of(with_line(7, "  url: http://localhost:8000")) ==
+        "configs/x.yaml:7: generator.url: only used with engine: remote (the built-in engine runs in-process)");
+  CHECK(error_of(kBase + "reference: {enabled: false}\n", {"trainer.loss.beta=0.1"}) ==
+        "configs/x.yaml:15: reference.enabled: must be true when trainer.loss.beta > 0 (the KL term needs reference "
+        "log-probs); set beta: 0 or enabled: true");
+  CHECK(error_of(with_line(10, "  - {name: a, kind: format}\n  - {name: a, kind: math_answer}")) ==
+        "configs/x.yaml:11: rewards.1.name: duplicate reward name \"a\"");
+  CHECK(error_of(with_line(10, "  - {name: p, kind: plugin}")) ==
+        "configs/x.yaml:10: rewards.0.plugin: kind plugin needs plugin: PATH of a shared library");
+  CHECK(error_of(with_line(7, "  max_tokens: 4096")) ==
+        "configs/x.yaml:7: generator.max_tokens: generator.max_seq_len (2048) must exceed generator.max_tokens (4096): it "
+        "holds the prompt too");
+  CHECK(error_of(with_line(3, "  path: m\n  path: n")) == "configs/x.yaml:4: model.path: duplicate key (first given on line 3)");
+}
+
+TEST_CASE("malformed YAML is a troupe::Error with file and line") {
+  CHECK(error_of(with_line(8, "  temperature: [0.9")).starts_with("configs/x.yaml:"));
+  std::string e = error_of(with_line(5, "  train: {path: data/train.jsonl"));
+  CHECK(e.starts_with("configs/x.yaml:"));
+  CHECK(e.find("invalid YAML") != std::string::npos);
+  CHECK(error_of(with_line(3, "\tpath: x")).find("invalid YAML") != std::string::npos);
+  CHECK(error_of("") == "configs/x.yaml: empty config (expected recipe, model, data, generator, rewards, trainer, async, run)");
+  CHECK(error_of("- a\n- b\n") == "configs/x.yaml:1: (top level): expected a map of keys, got a list");
+
+  auto bad = write_temp("troupe_test_config_bad.yaml", "recipe: grpo\nmodel: {path: x\n");
+  try {
+    load_run_config(bad.string());
+    FAIL("no error");
+  } catch (const Error& err) {
+    CHECK(std::string(err.what()).starts_with(bad.string() + ":"));
+  }
+  CHECK_THROWS_WITH_AS(load_run_config("configs/does_not_exist.yaml"), "configs/does_not_exist.yaml: no such config file",
+                       Error);
+}
+
+TEST_CASE("to_yaml round-trips every field, optional ones included") {
+  auto c = parse_run_config(kBase, "configs/x.yaml",
+                            {"data.eval={path: e.jsonl, system: \"Be \\\"brief\\\"\\n\", limit: 5}", "data.shuffle=false",
+                             "generator.stop=[\"###\", \"\\t\"]", "generator.top_k=40", "generator.min_p=0.05",
+                             "rewards.1={name: mine, plugin: lib/x.so, weight: -0.5}",
+                             "rewards.2={name: svc, url: \"https://h:9/score\", timeout_s: 2.5, retries: 0, max_batch: 16}",
+                             "trainer.loss.beta=0.04", "trainer.scale_rewards=none", "trainer.loss.aggregation=dr_grpo",
+                             "trainer.sft_warmup={path: s.jsonl, steps: 3}", "run.seed=18446744073709551615",
+                             "trainer.lr=0.1", "model.device=cuda:1"});
+  CHECK(c.rewards[1].kind == "plugin");
+  CHECK(c.rewards[2].kind == "http");
+  CHECK(c.trainer.sft_warmup->lr == 0.1);
+  CHECK(c.data.eval->system == "Be \"brief\"\n");
+  std::string yaml = to_yaml(c);
+  CAPTURE(yaml);
+  CHECK(parse_run_config(yaml, "runs/x/config.yaml") == c);
+  CHECK(yaml.find("lr: 0.1\n") != std::string::npos);
+  CHECK(yaml.find("clip: [0.2, 0.28]") != std::string::npos);
+
+  auto f = write_temp("troupe_test_config_roundtrip.yaml", yaml);
+  CHECK(load_run_config(f.string()) == c);
+}
+
+TEST_CASE("reward kinds cover reward/'s built-ins; specs carry every field") {
+  for (const auto& k : builtin_reward_kinds())
+    CHECK(std::find(kRewardKindNames.begin(), kRewardKindNames.end(), k) != kRewardKindNames.end());
+  auto c = parse_run_config(kBase, "x.yaml", {"rewards.1={name: svc, url: \"http://h:9\", timeout_s: 2, retries: 4, backoff_s: 0.1, max_batch: 3}"});
+  auto specs = to_reward_specs(c);
+  REQUIRE(specs.size() == 2);
+  CHECK(specs[0].resolved_kind() == "math_answer");
+  CHECK(specs[1].resolved_kind() == "http");
+  CHECK(specs[1].timeout_s == 2.0);
+  CHECK(specs[1].retries == 4);
+  CHECK(specs[1].backoff_s == 0.1);
+  CHECK(specs[1].max_batch == 3);
+}
+
+TEST_CASE("validate_paths names the key and its line") {
+  auto dir = fs::temp_directory_path() / "troupe_test_config_paths";
+  fs::create_directories(dir);
+  std::ofstream(dir / "train.jsonl") << "{}\n";
+  auto c = parse_run_config(kBase, "configs/x.yaml",
+                            {"model.path=" + dir.string(), "data.train.path=" + (dir / "train.jsonl").string()});
+  CHECK_NOTHROW(validate_paths(c));
+
+  auto missing = parse_run_config(kBase, "configs/x.yaml", {"model.path=" + dir.string()});
+  CHECK_THROWS_WITH_AS(validate_paths(missing),
+                       doctest::Contains("configs/x.yaml:5: data.train.path: data/train.jsonl does not exist (paths are "
+                                         "relative to the current folder"),
+                       Error);
+  auto folder = parse_run_config(kBase, "configs/x.yaml", {"model.path=" + dir.string(), "data.train.path=" + dir.string()});
+  CHECK_THROWS_WITH_AS(validate_paths(folder), doctest::Contains("is a folder, expected a file"), Error);
+}

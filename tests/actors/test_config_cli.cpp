@@ -1,0 +1,83 @@
+// `troupe validate` through the binary: a shipped config passes with a one-line summary, bad
+// files and bad overrides fail with exit code 1 and the file:line: key message.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "tests/test_util.hpp"
+
+namespace fs = std::filesystem;
+using troupe::test::env_dir;
+using troupe::test::source;
+
+namespace {
+
+struct Run {
+  int status;
+  std::string out;  // stdout and stderr together
+};
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// Runs `troupe ARGS` from the repository root, where config paths are relative to.
+Run run_troupe(const std::string& args) {
+  std::string cmd = "cd " + quote(source().string()) + " && " + quote(env_dir("TROUPE_BIN").string()) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  REQUIRE(pipe);
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
+  int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+}  // namespace
+
+TEST_CASE("troupe validate: a shipped config is ok, with a summary") {
+  auto r = run_troupe("validate configs/smollm2_gsm8k_async_grpo.yaml");
+  CAPTURE(r.out);
+  CHECK(r.status == 0);
+  CHECK(r.out.starts_with("configs/smollm2_gsm8k_async_grpo.yaml: ok (recipe grpo, model "
+                          "models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+  CHECK(r.out.find("G=8") != std::string::npos);
+
+  auto o = run_troupe("validate configs/demo.yaml trainer.steps=3 generator.group_size=2");
+  CAPTURE(o.out);
+  CHECK(o.status == 0);
+  CHECK(o.out.find("3 steps") != std::string::npos);
+  CHECK(o.out.find("G=2") != std::string::npos);
+}
+
+TEST_CASE("troupe validate: bad files and overrides exit 1 naming file, line and key") {
+  auto bad = fs::temp_directory_path() / "troupe_validate_bad.yaml";
+  std::ofstream(bad) << "recipe: grpo\nmodel: {path: models/SmolLM2-135M-Instruct.Q4_1.gguf}\n"
+                        "data: {train: {path: ../shared/data/gsm8k/train.jsonl}}\n"
+                        "generator:\n  temprature: 0.7\nrewards: [{name: c, kind: format}]\n";
+  auto r = run_troupe("validate " + quote(bad.string()));
+  CAPTURE(r.out);
+  CHECK(r.status == 1);
+  CHECK(r.out.find(bad.string() + ":5: generator.temprature: unknown key (did you mean temperature?)") != std::string::npos);
+
+  auto o = run_troupe("validate configs/demo.yaml trainer.lr=-1");
+  CAPTURE(o.out);
+  CHECK(o.status == 1);
+  CHECK(o.out.find("configs/demo.yaml, override 'trainer.lr=-1': trainer.lr: must be > 0, got -1") != std::string::npos);
+
+  // Paths are checked by validate (not by parsing): relative to the current folder.
+  auto p = run_troupe("validate configs/demo.yaml data.train.path=nowhere.jsonl");
+  CAPTURE(p.out);
+  CHECK(p.status == 1);
+  CHECK(p.out.find("data.train.path: nowhere.jsonl does not exist") != std::string::npos);
+
+  auto m = run_troupe("validate configs/no_such_config.yaml");
+  CHECK(m.status == 1);
+  CHECK(m.out.find("configs/no_such_config.yaml: no such config file") != std::string::npos);
+}
