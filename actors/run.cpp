@@ -1,0 +1,160 @@
+// Turns the typed run config into the graph's inputs. Deliberately thin: every decision about
+// how a field behaves lives in the component that uses it (Engine, Trainer, rewards, prompts).
+#include "actors/run.hpp"
+
+#include <fstream>
+#include <iostream>
+#include <mutex>
+
+#include <torch/torch.h>
+
+#include "policy/checkpoint.hpp"
+#include "reward/registry.hpp"
+#include "policy/error.hpp"
+#include "trainer/prompts.hpp"
+
+namespace troupe {
+namespace {
+
+torch::Dtype dtype_of(ModelDtype d) { return d == ModelDtype::bfloat16 ? torch::kBFloat16 : torch::kFloat32; }
+
+TrainerConfig trainer_config(const RunConfig& c) {
+  const auto& t = c.trainer;
+  TrainerConfig out;
+  out.optimizer = {.lr = t.lr, .weight_decay = t.weight_decay, .warmup_steps = t.warmup_steps,
+                   .total_steps = t.steps, .min_lr_ratio = t.min_lr_ratio, .max_grad_norm = t.max_grad_norm};
+  out.loss = {.epsilon = t.loss.epsilon, .epsilon_high = t.loss.epsilon_high, .beta = t.loss.beta,
+              .behaviour_cap = t.loss.behaviour_cap,
+              .aggregation = static_cast<grpo::Aggregation>(static_cast<int>(t.loss.aggregation)),
+              .max_completion_length = c.generator.max_tokens};
+  out.scale_rewards = static_cast<grpo::ScaleRewards>(static_cast<int>(t.scale_rewards));
+  out.mask_truncated_completions = t.mask_truncated_completions;
+  out.num_iterations = t.num_iterations;
+  out.micro_batch = t.micro_batch;
+  out.logprob_chunk = t.logprob_chunk;
+  return out;
+}
+
+PromptSourceOptions prompt_options(const DatasetSection& d, const Tokenizer& tokenizer, const DataSection& data,
+                                   const std::string& model_path) {
+  PromptSourceOptions o;
+  o.prompt_field = d.prompt;
+  o.answer_field = d.answer;
+  o.chat = d.chat_template;
+  if (d.chat_template) {
+    if (!tokenizer.chat_template())
+      throw Error(model_path + ": data.train.chat_template is true but the model's tokenizer has no chat template");
+    o.chat_template = ChatTemplate::detect(*tokenizer.chat_template(), model_path);
+  }
+  o.system = d.system.value_or("");
+  o.limit = d.limit;
+  o.shuffle = data.shuffle;
+  o.seed = data.seed;
+  return o;
+}
+
+// The supervised format stage: (prompt, completion) pairs from a JSONL file, prompts through
+// the chat template when the training data uses it, completions closed with end-of-sequence.
+std::map<std::string, torch::Tensor> sft_warmup(const RunConfig& c, const Tokenizer& tokenizer) {
+  const auto& w = *c.trainer.sft_warmup;
+  auto m = load_model(c.model.path, {.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device), .tokenizer = false});
+  std::ifstream in(w.path);
+  if (!in) throw Error(w.path + ": cannot open (trainer.sft_warmup.path)");
+  std::optional<ChatTemplate> tmpl;
+  if (c.data.train.chat_template && tokenizer.chat_template()) tmpl = ChatTemplate::detect(*tokenizer.chat_template(), c.model.path);
+  std::vector<SftExample> examples;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    std::string where = w.path + ":" + std::to_string(n);
+    if (j.is_discarded() || !j.is_object()) throw Error(where + ": not a JSON object");
+    for (const auto& f : {w.prompt, w.completion})
+      if (!j.contains(f) || !j[f].is_string()) throw Error(where + ": no string field '" + f + "'");
+    std::string prompt = j[w.prompt].get<std::string>();
+    if (tmpl) {
+      std::vector<ChatMessage> msgs;
+      if (c.data.train.system) msgs.push_back({"system", *c.data.train.system});
+      msgs.push_back({"user", prompt});
+      prompt = tmpl->render(msgs, true);
+    }
+    auto completion = tokenizer.encode(j[w.completion].get<std::string>());
+    if (auto eos = tokenizer.eos_id()) completion.push_back(*eos);
+    examples.push_back({tokenizer.encode(prompt), std::move(completion)});
+  }
+  if (examples.empty()) throw Error(w.path + ": no examples (trainer.sft_warmup.path)");
+  auto config = trainer_config(c);
+  config.optimizer.lr = w.lr > 0 ? w.lr : c.trainer.lr;
+  config.optimizer.total_steps = 0;
+  config.optimizer.warmup_steps = 0;
+  Trainer trainer(m.model, config);
+  const size_t batch = std::max<int64_t>(1, c.trainer.batch_groups * c.generator.group_size);
+  size_t next = 0;
+  for (int64_t step = 0; step < w.steps; ++step) {
+    std::vector<SftExample> part;
+    for (size_t i = 0; i < std::min(batch, examples.size()); ++i) part.push_back(examples[next++ % examples.size()]);
+    double loss = trainer.sft_step(part);
+    std::cout << "sft warmup step " << step + 1 << "/" << w.steps << "  loss " << loss << std::endl;
+  }
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, t] : state_dict(*m.model)) out[name] = t.detach().clone();
+  return out;
+}
+
+}  // namespace
+
+GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_requested) {
+  if (c.recipe != Recipe::grpo)
+    throw Error(c.origin.at("recipe") + ": recipe '" + std::string(to_string(c.recipe)) +
+                "' cannot run yet: only grpo is implemented (sft, lora, dpo and ppo are the next issue)");
+  if (c.generator.engine != EngineKind::builtin)
+    throw Error(c.origin.at("generator.engine") +
+                ": generator.engine 'remote' is not wired into the graph yet; use builtin (troupe serve and "
+                "the vLLM client exist, but the generator actor does not drive them)");
+
+  auto tokenizer = Tokenizer::load(c.model.path);
+  auto source = std::make_shared<PromptSource>(c.data.train.path, tokenizer,
+                                               prompt_options(c.data.train, tokenizer, c.data, c.model.path));
+  auto reward = std::make_shared<CombinedReward>(make_combined_reward(to_reward_specs(c)));
+  auto model_config = load_model(c.model.path, {.tokenizer = false}).config;
+
+  std::optional<std::map<std::string, torch::Tensor>> start;
+  if (c.trainer.sft_warmup) start = sft_warmup(c, tokenizer);
+
+  const LoadOptions load{.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device), .tokenizer = false};
+  GraphSpec spec;
+  spec.make_policy = [path = c.model.path, load, start] {
+    auto m = load_model(path, load);
+    if (start) load_weights(*m.model, *start, "sft warmup");
+    return m.model;
+  };
+  spec.tokenizer = tokenizer;
+  spec.next_prompts = [source](int64_t n) {
+    std::vector<PromptItem> out;
+    for (auto& p : source->next(n)) out.push_back({p.id, 0, std::move(p.ids), std::move(p.text), p.metadata.dump()});
+    return out;
+  };
+  spec.reward = reward;
+  spec.trainer = trainer_config(c);
+  spec.batch_groups = c.trainer.batch_groups;
+  spec.steps = c.trainer.steps;
+  spec.engine = {.max_batch = c.generator.max_batch, .max_seq_len = c.generator.max_seq_len, .seed = c.run.seed};
+  spec.sampling = {.n = c.generator.group_size, .temperature = c.generator.temperature, .top_p = c.generator.top_p,
+                   .top_k = c.generator.top_k, .min_p = c.generator.min_p, .max_tokens = c.generator.max_tokens,
+                   .stop = c.generator.stop};
+  spec.generators = c.generator.count;
+  spec.max_staleness = c.async.max_staleness;
+  spec.sync_every = c.async.sync_every;
+  spec.reference = c.reference.enabled || c.trainer.loss.beta > 0;
+  spec.run_dir = c.run.dir;
+  spec.model_source = c.model.path;
+  spec.model_config = model_config;
+  spec.checkpoint_every = c.run.checkpoint_every;
+  spec.stop_requested = stop_requested;
+
+  std::filesystem::create_directories(spec.run_dir);
+  std::ofstream(spec.run_dir / "config.yaml") << to_yaml(c);
+  return run_graph(spec);
+}
+
+}  // namespace troupe
