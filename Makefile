@@ -27,9 +27,9 @@ build: setup configure
 test: build
 	@cd $(BUILD) && ctest --output-on-failure -j 1
 
+# A short async GRPO run of SmolLM2-135M-Instruct on GSM8K, reward printed per step.
 demo: build
-	$(BUILD)/troupe generate --model $(MODEL) --chat --max-tokens 96 \
-	  --prompt "What is the capital of France? Answer in one sentence."
+	$(BUILD)/troupe run configs/demo.yaml
 
 bench: build
 	$(PY) bench/forward_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_forward --model $(MODEL) --work $(BUILD)/bench_models/smollm2

@@ -58,6 +58,9 @@ PromptSourceOptions prompt_options(const DatasetSection& d, const Tokenizer& tok
 std::map<std::string, torch::Tensor> sft_warmup(const RunConfig& c, const Tokenizer& tokenizer) {
   const auto& w = *c.trainer.sft_warmup;
   auto m = load_model(c.model.path, {.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device), .tokenizer = false});
+  // The model's own end-of-sequence id: a tokenizer's can lie outside a small model's vocabulary.
+  std::vector<int64_t> eos_ids = m.config.eos_token_ids;
+  if (eos_ids.empty() && tokenizer.eos_id()) eos_ids.push_back(*tokenizer.eos_id());
   std::ifstream in(w.path);
   if (!in) throw Error(w.path + ": cannot open (trainer.sft_warmup.path)");
   std::optional<ChatTemplate> tmpl;
@@ -79,7 +82,7 @@ std::map<std::string, torch::Tensor> sft_warmup(const RunConfig& c, const Tokeni
       prompt = tmpl->render(msgs, true);
     }
     auto completion = tokenizer.encode(j[w.completion].get<std::string>());
-    if (auto eos = tokenizer.eos_id()) completion.push_back(*eos);
+    if (!eos_ids.empty()) completion.push_back(static_cast<int32_t>(eos_ids[0]));
     examples.push_back({tokenizer.encode(prompt), std::move(completion)});
   }
   if (examples.empty()) throw Error(w.path + ": no examples (trainer.sft_warmup.path)");
