@@ -1,5 +1,7 @@
 // The troupe command line: parses arguments and calls the libraries; nothing else lives here.
 // Every troupe::Error (and any other exception) becomes one line on stderr and exit code 1.
+#include <atomic>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -9,6 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "actors/config.hpp"
+#include "actors/run.hpp"
 #include "generator/generate.hpp"
 #include "generator/server.hpp"
 #include "policy/chat_template.hpp"
@@ -16,6 +20,7 @@
 #include "policy/error.hpp"
 #include "policy/perplexity.hpp"
 #include "reward/score_file.hpp"
+#include "trainer/eval_gsm8k.hpp"
 
 namespace {
 
@@ -132,6 +137,30 @@ std::vector<std::string> read_jsonl_field(const std::string& path, const std::st
 
 }  // namespace
 
+std::atomic<bool> g_stop{false};
+
+// Ctrl-C asks the graph to stop after the current step; a second one ends the process.
+void on_interrupt(int) {
+  if (g_stop.exchange(true)) std::_Exit(130);
+}
+
+int run_from_config(const std::string& path, const std::vector<std::string>& overrides) {
+  auto config = troupe::load_run_config(path, overrides);
+  troupe::validate_paths(config);
+  std::signal(SIGINT, on_interrupt);
+  std::signal(SIGTERM, on_interrupt);
+  std::cout << "troupe run: " << path << " -> " << config.run.dir << std::endl;
+  auto result = troupe::run_config(config, &g_stop);
+  if (!result.ok) {
+    std::cerr << "troupe: error: " << result.error << " (after " << result.steps << " of " << config.trainer.steps
+              << " steps; metrics so far in " << config.run.dir << "/metrics.jsonl)" << std::endl;
+    return 1;
+  }
+  std::cout << "troupe run: done, " << result.steps << " steps; metrics in " << config.run.dir << "/metrics.jsonl"
+            << std::endl;
+  return 0;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"troupe: asynchronous RL post-training for language models, as one native binary"};
   app.require_subcommand(1);
@@ -167,6 +196,23 @@ int main(int argc, char** argv) {
   ppl_cmd->add_option("--max-length", ppl_max_length, "Cut texts to this many tokens")->check(CLI::Range(2, 1 << 20));
   ppl_cmd->add_option("--dtype", ppl_dtype, "float32, bfloat16 or float16");
 
+  Gsm8kEvalOptions g8k;
+  std::string g8k_model, g8k_dtype = "float32";
+  double g8k_temperature = 0;
+  auto* gsm8k_cmd = eval_cmd->add_subcommand("gsm8k", "GSM8K accuracy (pass@1, pass@k) with the built-in engine");
+  gsm8k_cmd->add_option("--model", g8k_model, "Hugging Face folder or .gguf file")->required();
+  gsm8k_cmd->add_option("--data", g8k.data, "JSONL with question and answer fields (GSM8K's test.jsonl)")->required();
+  gsm8k_cmd->add_option("--limit", g8k.limit, "Use the first N questions (0: all)")->check(CLI::NonNegativeNumber);
+  gsm8k_cmd->add_option("--samples", g8k.samples, "K samples per question; K > 1 also prints pass@K")
+      ->check(CLI::Range(1, 4096));
+  gsm8k_cmd->add_option("--max-tokens", g8k.max_tokens, "Most new tokens per sample")->check(CLI::Range(1, 1 << 20));
+  auto* g8k_temp = gsm8k_cmd->add_option("--temperature", g8k_temperature, "Default: greedy for K = 1, 1.0 for K > 1")
+      ->check(CLI::Range(0.0, 100.0));
+  gsm8k_cmd->add_option("--batch", g8k.batch, "Sequences decoded together")->check(CLI::Range(1, 4096));
+  gsm8k_cmd->add_option("--system", g8k.system, "A system message (default: the chat template's)");
+  gsm8k_cmd->add_option("--seed", g8k.seed, "Sampling seed");
+  gsm8k_cmd->add_option("--dtype", g8k_dtype, "float32, bfloat16 or float16");
+
   std::string convert_in, convert_out, convert_dtype = "float32";
   auto* convert_cmd = app.add_subcommand("convert", "Write a model (.gguf or HF folder) as a Hugging Face folder");
   convert_cmd->add_option("model", convert_in, "The .gguf file or Hugging Face folder")->required();
@@ -195,11 +241,30 @@ int main(int argc, char** argv) {
       ->required();
   score_cmd->add_option("data", score_data, "JSONL: completion, answer and optional prompt per line")->required();
 
+  std::string validate_config;
+  std::vector<std::string> validate_overrides;
+  std::string run_config_path;
+  std::vector<std::string> run_overrides;
+  auto* run_cmd = app.add_subcommand("run", "Run the actor graph a YAML config describes (async GRPO)");
+  run_cmd->add_option("config", run_config_path, "The YAML run config")->required();
+  run_cmd->add_option("overrides", run_overrides, "key.path=value overrides, e.g. trainer.steps=20");
+
+  auto* validate_cmd = app.add_subcommand("validate", "Check a run config (keys, types, ranges, paths) without running it");
+  validate_cmd->add_option("config", validate_config, "The YAML run config")->required();
+  validate_cmd->add_option("overrides", validate_overrides, "key.path=value overrides, as for troupe run");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*generate_cmd) return run_generate(gen);
     if (*tokenize_cmd) return run_tokenize(tokenizer_path, decode);
     if (*serve_cmd) return serve(srv);
+    if (*run_cmd) return run_from_config(run_config_path, run_overrides);
+    if (*validate_cmd) {
+      auto config = load_run_config(validate_config, validate_overrides);
+      validate_paths(config);
+      std::cout << validate_config << ": ok (" << summary(config) << ")" << std::endl;
+      return 0;
+    }
     if (*score_cmd) {
       for (double v : score_file(score_reward, score_data)) std::cout << v << "\n";
       return 0;
@@ -210,6 +275,19 @@ int main(int argc, char** argv) {
       auto r = perplexity(*m.model, require_tokenizer(m), texts, ppl_batch, ppl_max_length);
       std::cout << "texts: " << texts.size() << "\ntokens: " << r.tokens << "\nmean_nll: " << r.mean_nll
                 << "\nperplexity: " << r.perplexity << std::endl;
+      return 0;
+    }
+    if (*gsm8k_cmd) {
+      if (*g8k_temp) g8k.temperature = g8k_temperature;
+      auto m = load_model(g8k_model, {.dtype = parse_dtype(g8k_dtype)});
+      int64_t shown = 0;  // progress on stderr every tenth of the questions
+      auto r = eval_gsm8k(m, g8k, [&](int64_t done, int64_t total) {
+        if (done * 10 / total > shown) {
+          shown = done * 10 / total;
+          std::cerr << "gsm8k: " << done << "/" << total << " questions" << std::endl;
+        }
+      });
+      std::cout << r.accuracy.line("gsm8k") << std::endl;
       return 0;
     }
     if (*convert_cmd) {
