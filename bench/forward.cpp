@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
 
   auto dtype = dtype_name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
   auto m = troupe::load_model(model_path, {.dtype = dtype, .tokenizer = false});
-  torch::NoGradGuard no_grad;
+  c10::InferenceMode inference;  // as transformers' side runs under torch.inference_mode()
   torch::manual_seed(0);
   auto ids = torch::randint(0, m.config.vocab_size, {batch, seq}, torch::kLong);
   auto positions = torch::arange(seq).unsqueeze(0).expand({batch, seq}).contiguous();
