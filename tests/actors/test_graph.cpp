@@ -3,6 +3,7 @@
 // weights back to the generator. Reward must rise, with eta = 1 and with eta = 0.
 #include <doctest/doctest.h>
 
+#include <fstream>
 #include <random>
 
 #include <torch/torch.h>
@@ -46,9 +47,8 @@ std::map<std::string, torch::Tensor> format_stage(const Arithmetic& task) {
 }
 
 GraphResult run(int64_t eta, const std::map<std::string, torch::Tensor>& start, const Arithmetic& task,
-                const std::filesystem::path& dir) {
+                const std::filesystem::path& dir, int64_t steps = 200) {
   auto rng = std::make_shared<std::mt19937>(1);
-  const int64_t steps = 200;
   GraphSpec spec;
   spec.make_policy = [&] {
     auto m = load_model(test::fixtures() / "hf_models" / "llama3", {.tokenizer = false});
@@ -77,6 +77,14 @@ GraphResult run(int64_t eta, const std::map<std::string, torch::Tensor>& start, 
   spec.quiet = true;
   std::filesystem::remove_all(dir);
   return run_graph(spec);
+}
+
+// metrics.jsonl as the run wrote it.
+std::vector<nlohmann::json> read_metrics(const std::filesystem::path& dir) {
+  std::ifstream in(dir / "metrics.jsonl");
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
 }
 
 double mean_of(const std::vector<nlohmann::json>& m, size_t from, size_t n, const char* key) {
@@ -114,5 +122,31 @@ TEST_CASE("async GRPO through the actor graph raises the reward (eta = 1 and eta
     if (eta == 1) CHECK(mean_stale > 0.5);  // the generator really ran ahead of the trainer
     CHECK(std::filesystem::exists(dir / "metrics.jsonl"));
     CHECK(std::filesystem::exists(dir / "checkpoints" / "step_200" / "model.safetensors"));
+  }
+}
+
+TEST_CASE("metrics.jsonl shows the staleness bound: eta = 0 trains only current groups, eta = 2 none older than 2") {
+  torch::manual_seed(0);
+  Arithmetic task;
+  auto start = format_stage(task);
+  for (int64_t eta : {0, 2}) {
+    CAPTURE(eta);
+    auto dir = test::fixtures() / ("graph_staleness_eta" + std::to_string(eta));
+    auto r = run(eta, start, task, dir, 40);
+    INFO(r.error);
+    REQUIRE(r.ok);
+    auto metrics = read_metrics(dir);
+    REQUIRE(metrics.size() == 40);
+    int64_t worst = 0;
+    double mean = 0;
+    for (size_t i = 0; i < metrics.size(); ++i) {
+      CHECK(metrics[i]["step"].get<size_t>() == i + 1);
+      CHECK(metrics[i]["policy_version"].get<size_t>() == i + 1);
+      worst = std::max(worst, metrics[i]["staleness/max"].get<int64_t>());
+      mean += metrics[i]["staleness/mean"].get<double>() / metrics.size();
+    }
+    MESSAGE("eta " << eta << ": staleness mean " << mean << ", max " << worst);
+    CHECK(worst <= eta);
+    if (eta == 2) CHECK(worst == 2);  // the generators did run two versions ahead
   }
 }
