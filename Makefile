@@ -34,6 +34,8 @@ demo: build
 bench: build
 	$(PY) bench/forward_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_forward --model $(MODEL) --work $(BUILD)/bench_models/smollm2
 	$(PY) bench/generation_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_generate --model $(MODEL) --work $(BUILD)/bench_models/smollm2
+	$(PY) bench/decode_llamacpp.py --bench $(BUILD)/bench/bench_decode --model $(MODEL)
+	$(PY) bench/serve_load.py --troupe $(BUILD)/troupe --model $(MODEL)
 
 clean:
 	rm -rf $(BUILD)
