@@ -93,9 +93,16 @@ AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t layer)
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                      const torch::Tensor& mask, KVCache* cache) {
   const int64_t B = x.size(0), T = x.size(1);
-  auto q = q_proj_(x).view({B, T, n_heads_, head_dim_});     // (B, T, nh, hd)
-  auto k = k_proj_(x).view({B, T, n_kv_heads_, head_dim_});  // (B, T, nkv, hd)
-  auto v = v_proj_(x).view({B, T, n_kv_heads_, head_dim_});
+  // q, k and v in one GEMM over the concatenated weights: one large GEMM runs closer to peak
+  // on a CPU than three small ones (about 10% of the forward pass), and the parameters keep
+  // their Hugging Face names; the concatenation copy is small next to the GEMM.
+  auto qkv = F::linear(x, torch::cat({q_proj_->weight, k_proj_->weight, v_proj_->weight}),
+                       q_proj_->bias.defined() ? torch::cat({q_proj_->bias, k_proj_->bias, v_proj_->bias})
+                                               : torch::Tensor())
+                 .split({n_heads_ * head_dim_, n_kv_heads_ * head_dim_, n_kv_heads_ * head_dim_}, -1);
+  auto q = qkv[0].view({B, T, n_heads_, head_dim_});     // (B, T, nh, hd)
+  auto k = qkv[1].view({B, T, n_kv_heads_, head_dim_});  // (B, T, nkv, hd)
+  auto v = qkv[2].view({B, T, n_kv_heads_, head_dim_});
   if (q_norm_) {
     q = q_norm_(q);
     k = k_norm_(k);
@@ -138,7 +145,11 @@ MLPImpl::MLPImpl(const ModelConfig& c) {
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
-  return down_proj_(F::silu(gate_proj_(x)) * up_proj_(x));
+  // gate and up in one GEMM, for the same reason as q, k and v.
+  auto gate_up = F::linear(x, torch::cat({gate_proj_->weight, up_proj_->weight}),
+                           gate_proj_->bias.defined() ? torch::cat({gate_proj_->bias, up_proj_->bias}) : torch::Tensor())
+                     .chunk(2, -1);
+  return down_proj_(F::silu(gate_up[0]) * gate_up[1]);
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t layer) {
