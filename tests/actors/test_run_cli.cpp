@@ -16,20 +16,9 @@ using namespace troupe::test;
 
 namespace {
 
-struct Run {
-  int status;
-  std::string out;
-};
+using Run = troupe::test::CommandResult;
 
-Run shell(const std::string& cmd) {
-  FILE* pipe = popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(pipe);
-  std::string out;
-  std::array<char, 4096> buf;
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+Run shell(const std::string& cmd) { return run_command(cmd + " 2>&1"); }
 
 }  // namespace
 

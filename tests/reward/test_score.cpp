@@ -24,26 +24,13 @@ extern char** environ;
 
 namespace {
 
-struct Run {
-  int status;
-  std::string out;  // stdout and stderr together
-};
+using Run = troupe::test::CommandResult;
 
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
+std::string quote(const std::string& s) { return troupe::test::shell_quote(s); }
 
 Run run_troupe(const std::string& args) {
   std::string cmd = quote(env_dir("TROUPE_BIN").string()) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  REQUIRE(pipe);
-  std::string out;
-  std::array<char, 4096> buf;
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  return troupe::test::run_command(cmd);
 }
 
 // A file in a fresh temporary folder, removed with it at the end of the test.
