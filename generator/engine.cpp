@@ -4,6 +4,7 @@
 #include "generator/engine.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <set>
 
 #include <torch/torch.h>
@@ -200,25 +201,30 @@ namespace {
 std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Tensor& logits,
                                                                  const std::vector<const SamplingParams*>& params,
                                                                  std::vector<at::Generator*>& generators) {
-  auto l = logits.to(torch::kFloat32).cpu();
-  std::vector<int32_t> ids(params.size());
-  std::vector<float> logprobs(params.size());
-  for (size_t r = 0; r < params.size(); ++r) {
+  const int64_t R = static_cast<int64_t>(params.size());
+  auto l = logits.to(torch::kFloat32).cpu();  // (R, V)
+  // Greedy rows report log-probs at temperature 1: the distribution whose mode they take.
+  std::vector<float> temperature(R);
+  for (int64_t r = 0; r < R; ++r) temperature[r] = params[r]->temperature > 0 ? params[r]->temperature : 1.0f;
+  auto logp = (l / torch::tensor(temperature).unsqueeze(1)).log_softmax(-1);  // (R, V)
+  // Gumbel-max: argmax(log p + g), g = -log(-log(u)), draws exactly from p. Each row's noise
+  // comes from that sequence's own generator, so samples do not depend on the batch around
+  // them; everything else runs on the whole batch at once.
+  auto scores = logp.clone();
+  for (int64_t r = 0; r < R; ++r) {
     const SamplingParams& p = *params[r];
-    auto row = l[r];
-    // Greedy reports log-probs at temperature 1: the distribution whose mode it took.
-    auto logp = (p.temperature > 0 ? row / p.temperature : row).log_softmax(0);
-    int64_t id;
-    if (p.temperature > 0) {
-      auto probs = truncate(logp.exp(), p);
-      id = at::multinomial(probs, 1, false, *generators[r]).item<int64_t>();
-    } else {
-      id = row.argmax().item<int64_t>();
-    }
-    ids[r] = static_cast<int32_t>(id);
-    logprobs[r] = logp[id].item<float>();
+    if (p.temperature <= 0) continue;
+    auto row = scores[r];
+    if (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0)
+      row.masked_fill_(truncate(logp[r].exp(), p) == 0, -std::numeric_limits<float>::infinity());
+    auto u = torch::empty_like(row).uniform_(0.0, 1.0, *generators[r]);
+    row.sub_(u.log().neg().log());
   }
-  return {ids, logprobs};
+  auto ids_t = scores.argmax(-1);                                       // (R)
+  auto picked = logp.gather(1, ids_t.unsqueeze(1)).squeeze(1).contiguous();  // (R)
+  auto ids_i32 = ids_t.to(torch::kInt32).contiguous();
+  return {std::vector<int32_t>(ids_i32.data_ptr<int32_t>(), ids_i32.data_ptr<int32_t>() + R),
+          std::vector<float>(picked.data_ptr<float>(), picked.data_ptr<float>() + R)};
 }
 
 }  // namespace
