@@ -132,9 +132,19 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   }
   std::optional<torch::Tensor> attn_mask;
   if (mask.defined()) attn_mask = mask;
-  auto out = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal,
-                                              1.0 / std::sqrt(static_cast<double>(head_dim_)),
-                                              /*enable_gqa=*/n_kv_heads_ != n_heads_);  // (B, nh, T, hd)
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  torch::Tensor out;
+  if (T == 1 && n_kv_heads_ != n_heads_) {
+    // One decode step: the query heads sharing a key/value head become that head's query
+    // rows, (B, nkv, nh/nkv, hd), so attention reads each cached key once instead of
+    // repeating the cache per query head (what SDPA's GQA path does on CPU with a mask).
+    auto grouped = q.view({B, n_kv_heads_, n_heads_ / n_kv_heads_, head_dim_});
+    out = at::scaled_dot_product_attention(grouped, k, v, attn_mask, 0.0, false, scale)
+              .view({B, n_heads_, 1, head_dim_});  // (B, nh, 1, hd)
+  } else {
+    out = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal, scale,
+                                           /*enable_gqa=*/n_kv_heads_ != n_heads_);  // (B, nh, T, hd)
+  }
   return o_proj_(out.transpose(1, 2).reshape({B, T, n_heads_ * head_dim_}));
 }
 
