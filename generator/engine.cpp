@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "policy/error.hpp"
+#include "policy/seed.hpp"
 
 namespace troupe {
 
@@ -42,14 +43,6 @@ struct Engine::Sequence {
 };
 
 namespace {
-
-uint64_t mix_seed(uint64_t seed, uint64_t index) {
-  // splitmix64 of (seed, index): distinct, well-spread generator seeds per sample.
-  uint64_t z = seed + 0x9E3779B97F4A7C15ULL * (index + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
 
 // Restricts one row of probabilities [V] to the tokens top-k, top-p and min-p keep (then
 // multinomial renormalizes). The log-prob reported is taken before this truncation: it is

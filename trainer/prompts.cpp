@@ -6,19 +6,10 @@
 #include <random>
 
 #include "policy/error.hpp"
+#include "policy/seed.hpp"
 
 namespace troupe {
 namespace {
-
-// splitmix64's finaliser over (seed, epoch): seeding with plain seed + epoch would give seed s
-// in epoch 1 the same order as seed s + 1 in epoch 0, so runs under neighbouring seeds would
-// see the same data shifted by an epoch.
-uint64_t epoch_seed(uint64_t seed, uint64_t epoch) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ULL * (epoch + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
 
 // Uniform in [0, bound) by rejection: std::uniform_int_distribution's algorithm is left to the
 // library, so it would break the same-order-everywhere promise. mt19937_64's output is fixed by
@@ -121,7 +112,7 @@ std::vector<uint64_t> PromptSource::order(uint64_t epoch) const {
   std::vector<uint64_t> idx(prompts_.size());
   for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
   if (!options_.shuffle) return idx;
-  std::mt19937_64 rng(epoch_seed(options_.seed, epoch));
+  std::mt19937_64 rng(mix_seed(options_.seed, epoch));
   // Fisher-Yates, from the back: each position takes a uniform pick of those not yet placed.
   for (size_t i = idx.size(); i > 1; --i) std::swap(idx[i - 1], idx[uniform_below(rng, i)]);
   return idx;
