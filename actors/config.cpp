@@ -381,7 +381,9 @@ bool parse_data(Map m, DataSection& c) {
 }
 
 void parse_generator(Map m, GeneratorSection& c) {
-  m.allow({"count", "engine", "url", "group_size", "max_tokens", "temperature", "top_p", "top_k", "min_p", "max_batch", "max_seq_len", "stop"});
+  m.allow({"count", "engine", "url", "group_size", "max_tokens", "temperature", "top_p", "top_k", "min_p", "max_batch", "max_seq_len", "stop", "threads"});
+  m.get("threads", c.threads);
+  m.check(c.threads >= 0, "threads", "must be >= 0 (0: LibTorch's default)" + got(c.threads));
   m.get("count", c.count);
   m.check(c.count >= 1, "count", "must be >= 1" + got(c.count));
   m.get_enum("engine", c.engine, kEngineNames);
@@ -392,6 +394,8 @@ void parse_generator(Map m, GeneratorSection& c) {
                                                           : "engine: remote needs url: http://host:port of a vLLM-compatible server");
     m.check(c.url.starts_with("http://") || c.url.starts_with("https://"), "url",
             "expected http://host:port or https://..., got " + quote(c.url));
+    m.check(c.count == 1, "count", "must be 1 with engine: remote (one client drives the server, which batches "
+                                   "the requests itself)" + got(c.count));
   } else {
     m.check(c.url.empty(), "url", "only used with engine: remote (the built-in engine runs in-process)");
   }
@@ -512,7 +516,9 @@ bool parse_sft_warmup(Map m, SftWarmupSection& c) {
 }
 
 void parse_trainer(const Source& s, Map m, TrainerSection& c) {
-  m.allow({"batch_groups", "steps", "lr", "weight_decay", "warmup_steps", "min_lr_ratio", "max_grad_norm", "micro_batch", "num_iterations", "logprob_chunk", "scale_rewards", "mask_truncated_completions", "loss", "sft_warmup"});
+  m.allow({"batch_groups", "steps", "lr", "weight_decay", "warmup_steps", "min_lr_ratio", "max_grad_norm", "micro_batch", "num_iterations", "logprob_chunk", "scale_rewards", "mask_truncated_completions", "loss", "sft_warmup", "threads"});
+  m.get("threads", c.threads);
+  m.check(c.threads >= 0, "threads", "must be >= 0 (0: LibTorch's default)" + got(c.threads));
   m.get("batch_groups", c.batch_groups);
   m.check(c.batch_groups >= 1, "batch_groups", "must be >= 1" + got(c.batch_groups));
   m.get("steps", c.steps);
@@ -796,6 +802,7 @@ std::string to_yaml(const RunConfig& c) {
   w.line(2, "min_p", fmt(g.min_p));
   w.line(2, "max_batch", fmt(g.max_batch));
   w.line(2, "max_seq_len", fmt(g.max_seq_len));
+  w.line(2, "threads", fmt(g.threads));
   w.line(2, "stop", flow(g.stop));
 
   w.line(0, "rewards", c.rewards.empty() ? "[]" : "");
@@ -830,6 +837,7 @@ std::string to_yaml(const RunConfig& c) {
   w.line(2, "logprob_chunk", fmt(t.logprob_chunk));
   w.line(2, "scale_rewards", name_of(t.scale_rewards));
   w.line(2, "mask_truncated_completions", b(t.mask_truncated_completions));
+  w.line(2, "threads", fmt(t.threads));
   w.line(2, "loss", "");
   w.line(4, "kind", name_of(t.loss.kind));
   w.line(4, "aggregation", name_of(t.loss.aggregation));

@@ -84,6 +84,7 @@ struct GeneratorSection {
   int64_t max_batch = 32;                  // builtin: sequences decoded together
   int64_t max_seq_len = 2048;              // builtin: prompt + completion tokens per sequence
   std::vector<std::string> stop;           // stop strings, besides the model's end-of-turn tokens
+  int64_t threads = 0;                     // CPU threads of each generator's kernels; 0: LibTorch's default
   bool operator==(const GeneratorSection&) const = default;
 };
 
@@ -144,6 +145,7 @@ struct TrainerSection {
   bool mask_truncated_completions = false;           // completions cut at max_tokens contribute no loss
   LossSection loss;
   std::optional<SftWarmupSection> sft_warmup;
+  int64_t threads = 0;           // CPU threads of the trainer's (and reference's) kernels; 0: LibTorch's default
   bool operator==(const TrainerSection&) const = default;
 };
 

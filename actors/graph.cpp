@@ -62,6 +62,7 @@ struct Outcome {
   std::string error;
   int64_t steps = 0;
   std::vector<nlohmann::json> metrics;
+  std::vector<int64_t> issued, trained, failed;  // tickets
 };
 
 // An exception inside an actor ends that actor with an error naming it; the controller, which
@@ -88,15 +89,33 @@ behavior data_actor(event_based_actor* self, const GraphSpec* spec, std::shared_
     PromptBatch out{spec->next_prompts(n)};
     if (static_cast<int64_t>(out.prompts.size()) != n)
       throw Error("the data source returned " + std::to_string(out.prompts.size()) + " prompts, " + std::to_string(n) + " were asked for");
-    for (auto& p : out.prompts) p.batch = batch;
+    std::lock_guard lock(outcome->mu);
+    for (int64_t i = 0; i < n; ++i) {
+      out.prompts[i].batch = batch;
+      out.prompts[i].ticket = batch * n + i;
+      outcome->issued.push_back(out.prompts[i].ticket);
+    }
     return out;
   }};
+}
+
+// LibTorch keeps the intra-op thread count per thread (OpenMP's and MKL's per-thread settings),
+// but a thread's first parallel call resets it from the process-wide value; that first call is
+// made here, before this thread's own count is set.
+void use_threads(int64_t n) {
+  if (n <= 0) return;
+  (void)at::get_num_threads();
+  at::set_num_threads(static_cast<int>(n));
 }
 
 struct Pending {
   PromptItem prompt;
   std::vector<Completion> completions;
   int64_t done = 0;
+};
+
+struct RemoteGeneratorState {
+  std::unique_ptr<RemoteEngine> engine;
 };
 
 struct GeneratorState {
@@ -111,6 +130,7 @@ RolloutGroup make_group(Pending& p) {
   g.batch = p.prompt.batch;
   g.prompt_ids = p.prompt.ids;
   g.metadata = p.prompt.metadata;
+  g.ticket = p.prompt.ticket;
   for (auto& c : p.completions) {
     g.completion_ids.push_back(std::move(c.ids));
     g.behaviour_logprobs.push_back(std::move(c.logprobs));
@@ -124,6 +144,7 @@ RolloutGroup make_group(Pending& p) {
 behavior generator_actor(stateful_actor<GeneratorState>* self, const GraphSpec* spec, actor next,
                          std::shared_ptr<Outcome> outcome, int64_t index) {
   report_failures(self, outcome, "generator " + std::to_string(index));
+  use_threads(spec->generator_threads);
   self->state.engine = std::make_unique<Engine>(spec->make_policy(), spec->tokenizer, spec->engine);
   // Steps go through the mailbox, so weight updates are applied between decode steps.
   auto kick = [=] {
@@ -163,6 +184,36 @@ behavior generator_actor(stateful_actor<GeneratorState>* self, const GraphSpec* 
   };
 }
 
+// A generator driving a vLLM-compatible server: each prompt batch is one blocking generate()
+// (the server batches the requests itself), so weight updates land between batches, never
+// inside one; they reach the server as a safetensors folder through its disk endpoints.
+behavior remote_generator_actor(stateful_actor<RemoteGeneratorState>* self, const GraphSpec* spec, actor next,
+                                std::shared_ptr<Outcome> outcome, int64_t index) {
+  report_failures(self, outcome, "generator " + std::to_string(index));
+  self->state.engine = std::make_unique<RemoteEngine>(spec->remote_url, spec->remote, spec->tokenizer);
+  self->state.engine->wait_healthy(spec->remote.connect_timeout_s);
+  auto push = [=](const std::map<std::string, torch::Tensor>& weights, int64_t version) {
+    auto dir = std::filesystem::absolute(spec->weights_dir / ("generator_" + std::to_string(index)));
+    std::filesystem::create_directories(dir);
+    self->state.engine->update_weights(weights, version, dir);
+  };
+  // The server loaded its model from its own files; the run starts from the trainer's
+  // weights (which may differ, e.g. after an SFT warm-up), so version 0 is pushed first.
+  push(state_dict(*spec->make_policy()), 0);
+  return {
+      [=](PromptBatch& batch) {
+        std::vector<std::vector<int32_t>> prompts;
+        for (const auto& p : batch.prompts) prompts.push_back(p.ids);
+        auto completions = self->state.engine->generate(prompts, spec->sampling);
+        std::vector<Pending> pending;
+        for (auto& p : batch.prompts) pending.push_back({std::move(p), std::vector<Completion>(spec->sampling.n), 0});
+        for (auto& c : completions) pending.at(c.request_id).completions.at(c.index) = std::move(c);
+        for (auto& p : pending) self->send(next, make_group(p));
+      },
+      [=](const WeightsUpdate& update) { push(from_records(update.tensors), update.version); },
+  };
+}
+
 behavior reward_actor(event_based_actor* self, const GraphSpec* spec, actor next, std::shared_ptr<Outcome> outcome) {
   report_failures(self, outcome, "reward");
   return {[=](RolloutGroup& g) {
@@ -172,9 +223,18 @@ behavior reward_actor(event_based_actor* self, const GraphSpec* spec, actor next
     std::vector<RewardSample> samples;
     for (const auto& ids : g.completion_ids)
       samples.push_back({prompt, spec->tokenizer ? spec->tokenizer->decode(ids, /*skip_special_tokens=*/true) : "", metadata});
-    auto scores = spec->reward->score_all(samples);
-    g.reward = std::move(scores.total);
-    for (auto& c : scores.components) g.rewards[c.name] = std::move(c.scores);
+    // A reward that throws (a plugin's bug, a reward service that is down, slow past its
+    // retries or answering garbage) fails this group only: it travels on marked failed, so the
+    // trainer counts it against its batch and the run goes on.
+    try {
+      auto scores = spec->reward->score_all(samples);
+      g.reward = std::move(scores.total);
+      for (auto& c : scores.components) g.rewards[c.name] = std::move(c.scores);
+    } catch (const std::exception& e) {
+      g.error = std::string("reward: ") + e.what();
+      std::cerr << "troupe: prompt " << g.prompt_id << " (batch " << g.batch << ") failed, not trained on: " << g.error
+                << std::endl;
+    }
     self->send(next, std::move(g));
   }};
 }
@@ -186,23 +246,26 @@ struct ReferenceState {
 behavior reference_actor(stateful_actor<ReferenceState>* self, const GraphSpec* spec, actor next,
                          std::shared_ptr<Outcome> outcome) {
   report_failures(self, outcome, "reference");
+  use_threads(spec->trainer_threads);
   self->state.model = spec->make_policy();
   self->state.model->eval();
   return {[=](RolloutGroup& g) {
-    g.reference_logprobs = completion_logprobs(*self->state.model, g, spec->trainer.logprob_chunk);
+    if (g.error.empty()) g.reference_logprobs = completion_logprobs(*self->state.model, g, spec->trainer.logprob_chunk);
     self->send(next, std::move(g));
   }};
 }
 
 struct TrainerState {
   std::unique_ptr<Trainer> trainer;
+  std::ofstream failures;  // run_dir/failures.jsonl: one line per failed group
   std::map<int64_t, std::vector<RolloutGroup>> buffer;  // credit batch -> its finished groups
   int64_t next_batch = 0;
   Clock::time_point idle_since = Clock::now();
 };
 
-nlohmann::json step_metrics(const StepMetrics& m, const std::vector<RolloutGroup>& groups, int64_t trained_at,
-                            double step_s, double wait_s) {
+// Metrics of a step; `m` is empty when every group failed, and the loss and rewards are then null.
+nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vector<RolloutGroup>& groups,
+                            int64_t trained_at, double step_s, double wait_s) {
   nlohmann::json j;
   std::map<std::string, std::pair<double, int64_t>> by_name;
   double staleness_sum = 0;
@@ -218,14 +281,19 @@ nlohmann::json step_metrics(const StepMetrics& m, const std::vector<RolloutGroup
       }
     for (const auto& c : g.completion_ids) completion_tokens += c.size();
   }
-  j["reward/mean"] = m.reward_mean;
-  for (const auto& [name, sum] : by_name) j["reward/" + name + "/mean"] = sum.first / std::max<int64_t>(sum.second, 1);
-  j["loss"] = m.loss;
-  j["kl"] = m.kl;
-  j["clip_fraction"] = m.clip_fraction;
-  j["behaviour_weight/mean"] = m.behaviour_weight;
-  j["grad_norm"] = m.grad_norm;
-  j["lr"] = m.lr;
+  if (m) {
+    j["reward/mean"] = m->reward_mean;
+    for (const auto& [name, sum] : by_name) j["reward/" + name + "/mean"] = sum.first / std::max<int64_t>(sum.second, 1);
+    j["loss"] = m->loss;
+    j["kl"] = m->kl;
+    j["clip_fraction"] = m->clip_fraction;
+    j["behaviour_weight/mean"] = m->behaviour_weight;
+    j["grad_norm"] = m->grad_norm;
+    j["lr"] = m->lr;
+  } else {
+    for (const char* key : {"reward/mean", "loss", "kl", "clip_fraction", "behaviour_weight/mean", "grad_norm", "lr"})
+      j[key] = nullptr;
+  }
   j["staleness/mean"] = groups.empty() ? 0.0 : staleness_sum / groups.size();
   j["staleness/max"] = staleness_max;
   j["time/step_s"] = step_s;
@@ -247,15 +315,23 @@ void save_checkpoint(const GraphSpec& spec, Trainer& trainer, int64_t step) {
 behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec, actor controller,
                        std::shared_ptr<Outcome> outcome) {
   report_failures(self, outcome, "trainer");
+  use_threads(spec->trainer_threads);
   self->state.trainer = std::make_unique<Trainer>(spec->make_policy(), spec->trainer);
+  if (!spec->run_dir.empty()) {
+    std::filesystem::create_directories(spec->run_dir);
+    self->state.failures.open(spec->run_dir / "failures.jsonl", std::ios::app);
+  }
   auto train_ready = [=] {
     auto& st = self->state;
     for (auto it = st.buffer.find(st.next_batch);
          it != st.buffer.end() && static_cast<int64_t>(it->second.size()) >= spec->batch_groups;
          it = st.buffer.find(st.next_batch)) {
-      auto groups = std::move(it->second);
+      // A batch is complete when every group handed out for it has come back, trained or failed.
+      std::vector<RolloutGroup> groups, failed;
+      for (auto& g : it->second) (g.error.empty() ? groups : failed).push_back(std::move(g));
       st.buffer.erase(it);
       const int64_t t = st.trainer->version();
+      const int64_t step = st.next_batch + 1;
       // The bound the credits were sized for: a group made by version v trains at t - v <= eta.
       for (const auto& g : groups) {
         int64_t v = *std::min_element(g.min_version.begin(), g.min_version.end());
@@ -264,13 +340,21 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
                       " but would train at version " + std::to_string(t) + ", beyond max_staleness " +
                       std::to_string(spec->max_staleness));
       }
+      for (const auto& g : failed) {
+        if (st.failures.is_open())
+          st.failures << nlohmann::json{{"step", step}, {"prompt_id", g.prompt_id}, {"ticket", g.ticket}, {"error", g.error}}
+                             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                      << "\n" << std::flush;
+      }
       auto start = Clock::now();
       double wait_s = std::chrono::duration<double>(start - st.idle_since).count();
-      auto metrics = st.trainer->grpo_step(groups);
-      const int64_t step = st.next_batch + 1;
+      // With every group of the batch failed there is nothing to learn from: the step passes
+      // without an optimizer step, so the version (and the weights generators hold) stay put.
+      std::optional<StepMetrics> metrics;
+      if (!groups.empty()) metrics = st.trainer->grpo_step(groups);
       // Weights go out before the report: the controller forwards them to the generators
       // ahead of the prompts it releases in answer, so new prompts meet new weights.
-      if (step % spec->sync_every == 0 && step < spec->steps)
+      if (metrics && step % spec->sync_every == 0 && step < spec->steps)
         self->send(controller, WeightsUpdate{st.trainer->version(), to_records(state_dict(*st.trainer->model()))});
       if (step == spec->steps || (spec->checkpoint_every > 0 && step % spec->checkpoint_every == 0))
         save_checkpoint(*spec, *st.trainer, step);
@@ -279,6 +363,13 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
       auto j = step_metrics(metrics, groups, t, step_s, wait_s);
       j["step"] = step;
       j["policy_version"] = st.trainer->version();
+      j["rollouts/trained"] = groups.size();
+      j["rollouts/failed"] = failed.size();
+      {
+        std::lock_guard lock(outcome->mu);
+        for (const auto& g : groups) outcome->trained.push_back(g.ticket);
+        for (const auto& g : failed) outcome->failed.push_back(g.ticket);
+      }
       self->send(controller, StepReport{step, j.dump()});
       ++st.next_batch;
     }
@@ -300,12 +391,21 @@ struct ControllerState {
 };
 
 std::string progress_line(const nlohmann::json& j, int64_t steps) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "step %lld/%lld  v%lld  reward %.3f  loss %+.4f  kl %.4f  stale %.2f/%lld  wait %.1fs  train %.1fs  %.0f tok/s",
+  char buf[320];
+  const auto failed = j["rollouts/failed"].get<int64_t>();
+  if (j["loss"].is_null()) {
+    std::snprintf(buf, sizeof buf, "step %lld/%lld  v%lld  all %lld groups failed, no update (see failures.jsonl)",
+                  (long long)j["step"].get<int64_t>(), (long long)steps, (long long)j["policy_version"].get<int64_t>(),
+                  (long long)failed);
+    return buf;
+  }
+  int n = std::snprintf(buf, sizeof buf, "step %lld/%lld  v%lld  reward %.3f  loss %+.4f  kl %.4f  stale %.2f/%lld  wait %.1fs  train %.1fs  %.0f tok/s",
                 (long long)j["step"].get<int64_t>(), (long long)steps, (long long)j["policy_version"].get<int64_t>(),
                 j["reward/mean"].get<double>(), j["loss"].get<double>(), j["kl"].get<double>(),
                 j["staleness/mean"].get<double>(), (long long)j["staleness/max"].get<int64_t>(),
                 j["time/generate_wait_s"].get<double>(), j["time/step_s"].get<double>(), j["tokens_per_s"].get<double>());
+  if (failed > 0 && n > 0 && n < static_cast<int>(sizeof buf))
+    std::snprintf(buf + n, sizeof buf - n, "  %lld failed", (long long)failed);
   return buf;
 }
 
@@ -340,7 +440,9 @@ behavior controller_actor(stateful_actor<ControllerState>* self, const GraphSpec
   if (spec->reference) after_reward = self->spawn<detached>(reference_actor, spec, trainer, outcome);
   auto reward = self->spawn<detached>(reward_actor, spec, after_reward, outcome);
   for (int64_t i = 0; i < spec->generators; ++i)
-    st.generators.push_back(self->spawn<detached>(generator_actor, spec, reward, outcome, i));
+    st.generators.push_back(spec->remote_url.empty()
+                                ? self->spawn<detached>(generator_actor, spec, reward, outcome, i)
+                                : self->spawn<detached>(remote_generator_actor, spec, reward, outcome, i));
   st.data = self->spawn<detached>(data_actor, spec, outcome);
   st.all = st.generators;
   for (const auto& a : {trainer, reward, st.data}) st.all.push_back(a);
@@ -406,6 +508,11 @@ GraphResult run_graph(const GraphSpec& spec) {
   if (!spec.make_policy || !spec.next_prompts || !spec.reward) throw Error("run_graph: the spec needs a policy, a data source and a reward");
   if (spec.batch_groups < 1 || spec.steps < 1 || spec.generators < 1 || spec.max_staleness < 0 || spec.sync_every < 1)
     throw Error("run_graph: batch_groups, steps, generators and sync_every must be >= 1 and max_staleness >= 0");
+  if (!spec.remote_url.empty() && spec.generators != 1)
+    throw Error("run_graph: a remote generator drives one server; got " + std::to_string(spec.generators) +
+                " generators for " + spec.remote_url);
+  if (!spec.remote_url.empty() && spec.weights_dir.empty())
+    throw Error("run_graph: a remote generator needs weights_dir, where the server reads new weights");
   if (spec.sync_every > spec.max_staleness + 1)
     throw Error("run_graph: sync_every " + std::to_string(spec.sync_every) + " would break max_staleness " +
                 std::to_string(spec.max_staleness) + " (needs sync_every <= max_staleness + 1)");
@@ -422,6 +529,9 @@ GraphResult run_graph(const GraphSpec& spec) {
   r.error = outcome->error;
   r.steps = outcome->steps;
   r.metrics = outcome->metrics;
+  r.issued = outcome->issued;
+  r.trained = outcome->trained;
+  r.failed = outcome->failed;
   r.ok = r.error.empty() && r.steps == spec.steps;
   return r;
 }

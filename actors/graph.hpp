@@ -16,6 +16,7 @@
 
 #include "actors/messages.hpp"
 #include "generator/engine.hpp"
+#include "generator/remote_engine.hpp"
 #include "policy/tokenizer.hpp"
 #include "policy/transformer.hpp"
 #include "reward/registry.hpp"
@@ -38,6 +39,15 @@ struct GraphSpec {
   EngineOptions engine;
   SamplingParams sampling;   // n is the group size G
   int64_t generators = 1;
+  // Intra-op CPU threads per actor (0: LibTorch's default, every core). Set per thread, so a
+  // generator and the trainer can split the cores instead of contending for all of them.
+  int64_t generator_threads = 0;
+  int64_t trainer_threads = 0;  // the trainer and the reference
+  // A vLLM-compatible server instead of built-in engines (then generators must be 1). Its
+  // weights arrive as safetensors folders under weights_dir, which the server must be able to read.
+  std::string remote_url;
+  RemoteOptions remote;
+  std::filesystem::path weights_dir;
 
   int64_t max_staleness = 1;  // eta: a group made by version v trains at t only if t - v <= eta
   int64_t sync_every = 1;     // weights go to the generators after every k-th step
@@ -58,6 +68,9 @@ struct GraphResult {
   std::string error;  // the failing actor and why, when !ok
   int64_t steps = 0;  // optimizer steps completed
   std::vector<nlohmann::json> metrics;
+  // Rollout accounting, as tickets (PromptItem::ticket): every prompt handed out ends up in
+  // trained or failed exactly once when the run finishes its steps.
+  std::vector<int64_t> issued, trained, failed;
 };
 
 // Spawns the graph, runs it to `steps` optimizer steps (or a stop request, or a failed actor),

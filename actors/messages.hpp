@@ -24,6 +24,7 @@ struct PromptItem {
   std::vector<int32_t> ids;    // [P] prompt token ids
   std::string text;            // the prompt as the model sees it (rewards get it)
   std::string metadata;        // JSON: the dataset line's fields (e.g. the answer)
+  int64_t ticket = 0;          // hand-out number, unique within a run (batch * batch_groups + i)
 };
 
 struct PromptBatch {
@@ -51,7 +52,7 @@ struct StepReport {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PromptItem& x) {
-  return f(caf::meta::type_name("PromptItem"), x.id, x.batch, x.ids, x.text, x.metadata);
+  return f(caf::meta::type_name("PromptItem"), x.id, x.batch, x.ids, x.text, x.metadata, x.ticket);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PromptBatch& x) {
@@ -61,7 +62,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RolloutGroup& x) {
   return f(caf::meta::type_name("RolloutGroup"), x.prompt_id, x.batch, x.prompt_ids, x.completion_ids,
            x.behaviour_logprobs, x.reference_logprobs, x.min_version, x.max_version, x.truncated, x.rewards,
-           x.reward, x.metadata);
+           x.reward, x.metadata, x.ticket, x.error);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, TensorRecord& x) {

@@ -110,10 +110,6 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
   if (c.recipe != Recipe::grpo)
     throw Error(c.origin.at("recipe") + ": recipe '" + std::string(to_string(c.recipe)) +
                 "' cannot run yet: only grpo is implemented (sft, lora, dpo and ppo are the next issue)");
-  if (c.generator.engine != EngineKind::builtin)
-    throw Error(c.origin.at("generator.engine") +
-                ": generator.engine 'remote' is not wired into the graph yet; use builtin (troupe serve and "
-                "the vLLM client exist, but the generator actor does not drive them)");
 
   auto tokenizer = Tokenizer::load(c.model.path);
   auto source = std::make_shared<PromptSource>(c.data.train.path, tokenizer,
@@ -146,6 +142,12 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
                    .top_k = c.generator.top_k, .min_p = c.generator.min_p, .max_tokens = c.generator.max_tokens,
                    .stop = c.generator.stop};
   spec.generators = c.generator.count;
+  spec.generator_threads = c.generator.threads;
+  spec.trainer_threads = c.trainer.threads;
+  if (c.generator.engine == EngineKind::remote) {
+    spec.remote_url = c.generator.url;
+    spec.weights_dir = std::filesystem::path(c.run.dir) / "weights_for_server";
+  }
   spec.max_staleness = c.async.max_staleness;
   spec.sync_every = c.async.sync_every;
   spec.reference = c.reference.enabled || c.trainer.loss.beta > 0;

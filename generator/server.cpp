@@ -357,8 +357,10 @@ Service::Service(const ServeOptions& options, LoadedModel m)
     }
     // The engine stops at the config's and tokenizer's end-of-sequence ids; chat models also
     // end a turn with their template's end-of-turn token, which vLLM gets from generation_config.
+    // Ids past the model's vocabulary (a tokenizer larger than the embedding) can never be
+    // sampled, so they need no stop.
     for (const char* t : {"<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>"})
-      if (auto id = tokenizer_->token_id(t)) end_of_turn_ids_.push_back(*id);
+      if (auto id = tokenizer_->token_id(t); id && *id < m.config.vocab_size) end_of_turn_ids_.push_back(*id);
   } else {
     chat_template_error_ = options.model + ": no tokenizer next to the model; chat needs one";
   }

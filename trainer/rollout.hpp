@@ -22,6 +22,9 @@ struct RolloutGroup {
   std::map<std::string, std::vector<double>> rewards;  // reward name -> [G] scores
   std::vector<double> reward;                          // [G] weighted total the advantages use
   std::string metadata;                                // the prompt's metadata as JSON (e.g. the answer)
+  int64_t ticket = 0;                                  // the hand-out number, unique within a run
+  std::string error;                                   // non-empty: the group failed (a reward threw)
+                                                       // and is reported, not trained on
 
   int64_t size() const { return static_cast<int64_t>(completion_ids.size()); }
 };

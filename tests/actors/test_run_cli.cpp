@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/serve_process.hpp"
 #include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -53,6 +54,42 @@ TEST_CASE("troupe run trains the tiny arithmetic config and writes the run folde
   }
   CHECK(lines == 40);
   MESSAGE("tiny arithmetic via troupe run: reward/mean step 1 " << first << ", step 40 " << last);
+}
+
+TEST_CASE("troupe run with engine: remote generates through troupe serve and syncs its weights from disk") {
+  auto task = fixtures() / "arithmetic";
+  auto dir = fixtures() / "run_tiny_arithmetic_remote";
+  fs::remove_all(dir);
+  // The server loads the raw model; the run pushes its SFT-warmed weights as version 0 and
+  // new weights after every step, so learning only shows if the server really takes them.
+  ServerProcess server({"--model", (task / "model").string(), "--port", "0", "--max-batch", "256", "--max-seq-len",
+                        "16", "--max-n", "16", "--seed", "3"});
+  std::string cmd = "cd '" + source().string() + "' && '" + env_dir("TROUPE_BIN").string() +
+                    "' run configs/tiny_arithmetic_grpo.yaml trainer.steps=120 model.path='" + (task / "model").string() +
+                    "' data.train.path='" + (task / "train.jsonl").string() + "' trainer.sft_warmup.path='" +
+                    (task / "format.jsonl").string() + "' run.dir='" + dir.string() +
+                    "' generator.engine=remote generator.url=http://127.0.0.1:" + std::to_string(server.port);
+  auto r = shell(cmd);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  std::ifstream in(dir / "metrics.jsonl");
+  std::vector<nlohmann::json> steps;
+  for (std::string line; std::getline(in, line);) steps.push_back(nlohmann::json::parse(line));
+  REQUIRE(steps.size() == 120);
+  auto mean = [&](size_t from, size_t n) {
+    double s = 0;
+    for (size_t i = from; i < from + n; ++i) s += steps[i]["reward/mean"].get<double>();
+    return s / n;
+  };
+  int64_t worst = 0;
+  for (const auto& j : steps) worst = std::max(worst, j["staleness/max"].get<int64_t>());
+  MESSAGE("remote generator via troupe serve: reward/mean first 5 steps " << mean(0, 5) << ", last 10 " << mean(110, 10)
+                                                                          << "; staleness max " << worst);
+  CHECK(worst <= 1);
+  CHECK(mean(0, 5) < 0.3);
+  CHECK(mean(110, 10) > 0.5);
+  CHECK(fs::exists(dir / "weights_for_server" / "generator_0" / "model.safetensors"));
+  CHECK(server.terminate() == 0);
 }
 
 TEST_CASE("troupe run refuses a bad config before starting anything") {

@@ -2,19 +2,13 @@
 // output against `troupe generate`, bad requests, auth, concurrency, and weight updates from disk.
 #include <doctest/doctest.h>
 
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
-#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,14 +17,15 @@
 #include <nlohmann/json.hpp>
 
 #include "policy/safetensors.hpp"
+#include "tests/serve_process.hpp"
 #include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 using troupe::test::env_dir;
 using troupe::test::smollm2_gguf;
-
-extern char** environ;
+using troupe::test::ServerProcess;
+using troupe::test::shell_quote;
 
 namespace {
 
@@ -38,83 +33,12 @@ constexpr const char* kApiKey = "test-key-123";
 constexpr const char* kModelName = "smollm2";
 constexpr int kMaxSeqLen = 512;
 
-// A `troupe serve` child process; its stdout is read until the listening line names the port.
-struct ServerProcess {
-  pid_t pid = -1;
-  int port = 0;
-
-  explicit ServerProcess(const std::vector<std::string>& args) {
-    int out[2];
-    REQUIRE(pipe(out) == 0);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
-    posix_spawn_file_actions_addclose(&actions, out[0]);
-    std::vector<std::string> argv_s = {env_dir("TROUPE_BIN").string(), "serve"};
-    argv_s.insert(argv_s.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& a : argv_s) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    close(out[1]);
-    REQUIRE(rc == 0);
-    std::string seen;
-    std::smatch m;
-    static const std::regex listening(R"(listening on http://[^:\s]+:(\d+))");
-    while (!std::regex_search(seen, m, listening)) {
-      pollfd p{out[0], POLLIN, 0};
-      if (poll(&p, 1, 300'000) <= 0) break;  // the model loads in seconds; this only guards a hang
-      char buf[256];
-      ssize_t n = read(out[0], buf, sizeof buf);
-      if (n <= 0) break;
-      seen.append(buf, static_cast<size_t>(n));
-    }
-    close(out[0]);  // the server prints nothing else on stdout
-    REQUIRE_MESSAGE(std::regex_search(seen, m, listening), "no listening line; stdout was: " << seen);
-    port = std::stoi(m[1]);
-  }
-
-  // SIGTERM, then the exit status (-1: did not exit normally within a minute).
-  int terminate() {
-    kill(pid, SIGTERM);
-    for (int i = 0; i < 600; ++i) {
-      int status = 0;
-      if (waitpid(pid, &status, WNOHANG) == pid) {
-        pid = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    return -1;
-  }
-
-  ~ServerProcess() {
-    if (pid > 0) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-    }
-  }
-};
-
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
 // Runs `troupe ARGS` and returns its stdout (stderr passes through).
 std::string run_troupe(const std::string& args) {
-  std::string cmd = quote(env_dir("TROUPE_BIN").string()) + " " + args;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  REQUIRE(pipe);
-  std::string out;
-  std::array<char, 4096> buf;
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  int status = pclose(pipe);
-  REQUIRE_MESSAGE(WIFEXITED(status), cmd);
-  REQUIRE_MESSAGE(WEXITSTATUS(status) == 0, cmd << "\n" << out);
-  return out;
+  std::string cmd = shell_quote(env_dir("TROUPE_BIN").string()) + " " + args;
+  auto r = troupe::test::run_command(cmd);
+  REQUIRE_MESSAGE(r.status == 0, cmd << "\n" << r.out);
+  return r.out;
 }
 
 // The server every test case shares (it stays up across cases; the last one stops it).
@@ -208,8 +132,8 @@ TEST_CASE("health, models and the API key") {
 TEST_CASE("greedy completions equal `troupe generate`, by text and by token ids") {
   json by_text = greedy(kPrompt);
   const json& choice = by_text["choices"][0];
-  std::string expected = strip_newline(run_troupe("generate --model " + quote(smollm2_gguf().string()) +
-                                                  " --max-tokens 12 --prompt " + quote(kPrompt)));
+  std::string expected = strip_newline(run_troupe("generate --model " + shell_quote(smollm2_gguf().string()) +
+                                                  " --max-tokens 12 --prompt " + shell_quote(kPrompt)));
   MESSAGE("server: " << choice["text"] << "  troupe generate: " << json(expected));
   CHECK(choice["text"] == expected);
   CHECK(by_text["object"] == "text_completion");
@@ -477,7 +401,7 @@ void write_update(const fs::path& from, const fs::path& dir, const std::vector<s
 TEST_CASE("a weight update through the disk endpoints changes outputs and the version") {
   const fs::path work = fs::temp_directory_path() / ("troupe_test_server_" + std::to_string(getpid()));
   fs::remove_all(work);
-  run_troupe("convert " + quote(smollm2_gguf().string()) + " " + quote((work / "hf").string()) + " --dtype float32");
+  run_troupe("convert " + shell_quote(smollm2_gguf().string()) + " " + shell_quote((work / "hf").string()) + " --dtype float32");
   const fs::path weights = work / "hf" / "model.safetensors";
   REQUIRE(fs::exists(weights));
   std::vector<std::string> names;

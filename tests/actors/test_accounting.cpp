@@ -1,0 +1,210 @@
+// Rollout accounting through the actor graph: every prompt handed out is trained on exactly
+// once or reported as failed, when a reward plugin throws and when the HTTP reward service is
+// down, slow (retried) or answers garbage. Failures are logged, the run goes on, nothing crashes.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <httplib.h>
+#include <torch/torch.h>
+
+#include "actors/graph.hpp"
+#include "policy/checkpoint.hpp"
+#include "tests/test_util.hpp"
+
+using namespace troupe;
+
+namespace {
+
+// What a prompt asks the rewards to do; the test plugin and the fake service read it.
+enum class Mode { ok, fail, slow, garbage };
+
+const char* name_of(Mode m) {
+  switch (m) {
+    case Mode::ok: return "ok";
+    case Mode::fail: return "fail";
+    case Mode::slow: return "slow";
+    case Mode::garbage: return "garbage";
+  }
+  return "?";
+}
+
+struct Run {
+  GraphResult result;
+  std::map<Mode, int64_t> handed_out;  // prompts the data source gave out, by mode
+  std::vector<nlohmann::json> failures;  // failures.jsonl
+};
+
+// A few GRPO steps of the tiny Llama on "a+b=" prompts whose metadata carries a mode chosen
+// by `mode_of(k)` for the k-th prompt handed out.
+Run run(std::shared_ptr<CombinedReward> reward, std::function<Mode(int64_t)> mode_of, const std::string& name,
+        int64_t steps = 6, int64_t eta = 1) {
+  Tokenizer tokenizer = Tokenizer::load(test::data() / "tokenizers" / "qwen3");
+  auto counts = std::make_shared<std::map<Mode, int64_t>>();
+  auto handed = std::make_shared<int64_t>(0);
+  GraphSpec spec;
+  spec.make_policy = [] { return load_model(test::fixtures() / "hf_models" / "llama3", {.tokenizer = false}).model; };
+  spec.tokenizer = tokenizer;
+  spec.next_prompts = [tokenizer, counts, handed, mode_of](int64_t n) {
+    std::vector<PromptItem> out;
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t k = (*handed)++;
+      Mode m = mode_of(k);
+      ++(*counts)[m];
+      std::string text = std::to_string(k % 5) + "+" + std::to_string(k % 3) + "=";
+      nlohmann::json meta{{"answer", std::to_string(k % 5 + k % 3)}, {"mode", name_of(m)}, {"uid", k},
+                          {"fail", m == Mode::fail}};
+      out.push_back({static_cast<uint64_t>(k), 0, tokenizer.encode(text), text, meta.dump()});
+    }
+    return out;
+  };
+  spec.reward = std::move(reward);
+  spec.trainer = {.optimizer = {.lr = 1e-4}};
+  spec.batch_groups = 4;
+  spec.steps = steps;
+  spec.engine = {.max_batch = 64, .max_seq_len = 12};
+  spec.sampling = {.n = 4, .temperature = 1.0, .max_tokens = 2};
+  spec.max_staleness = eta;
+  spec.run_dir = test::fixtures() / ("accounting_" + name);
+  spec.model_config = ModelConfig::from_file(test::fixtures() / "hf_models" / "llama3" / "config.json");
+  spec.model_source = test::fixtures() / "hf_models" / "llama3";
+  spec.quiet = true;
+  std::filesystem::remove_all(spec.run_dir);
+  Run r{run_graph(spec), *counts, {}};
+  std::ifstream in(spec.run_dir / "failures.jsonl");
+  for (std::string line; std::getline(in, line);) r.failures.push_back(nlohmann::json::parse(line));
+  return r;
+}
+
+// Every ticket handed out is in trained or failed, exactly once; the per-step counts in the
+// metrics add up to the same totals.
+void check_accounting(const Run& r, int64_t steps, int64_t batch_groups, int64_t expect_failed) {
+  INFO(r.result.error);
+  REQUIRE(r.result.ok);
+  REQUIRE(r.result.metrics.size() == static_cast<size_t>(steps));
+  auto issued = r.result.issued;
+  std::sort(issued.begin(), issued.end());
+  CHECK(issued.size() == static_cast<size_t>(steps * batch_groups));
+  CHECK(std::adjacent_find(issued.begin(), issued.end()) == issued.end());
+  std::vector<int64_t> done = r.result.trained;
+  done.insert(done.end(), r.result.failed.begin(), r.result.failed.end());
+  std::sort(done.begin(), done.end());
+  CHECK(done == issued);  // each once: no loss, no double count
+  CHECK(static_cast<int64_t>(r.result.failed.size()) == expect_failed);
+  int64_t trained = 0, failed = 0;
+  for (const auto& j : r.result.metrics) {
+    trained += j["rollouts/trained"].get<int64_t>();
+    failed += j["rollouts/failed"].get<int64_t>();
+  }
+  CHECK(trained == static_cast<int64_t>(r.result.trained.size()));
+  CHECK(failed == expect_failed);
+  CHECK(r.failures.size() == static_cast<size_t>(expect_failed));
+  std::set<int64_t> failed_tickets(r.result.failed.begin(), r.result.failed.end());
+  for (const auto& f : r.failures) CHECK(failed_tickets.count(f["ticket"].get<int64_t>()) == 1);
+}
+
+// A reward service on a free port: scores each completion 1 if it is non-empty; a "slow" prompt
+// sleeps past the client's timeout the first time it is seen (so the retry succeeds); a
+// "garbage" prompt gets HTML back.
+struct FakeRewardService {
+  httplib::Server server;
+  std::thread thread;
+  int port = 0;
+  std::mutex mu;
+  std::set<int64_t> seen_slow;
+  std::atomic<int64_t> requests{0};
+
+  FakeRewardService() {
+    server.Post("/score", [this](const httplib::Request& req, httplib::Response& res) {
+      ++requests;
+      auto body = nlohmann::json::parse(req.body);
+      const auto& samples = body["samples"];
+      const auto& meta = samples[0]["metadata"];
+      std::string mode = meta["mode"];
+      if (mode == "garbage") {
+        res.set_content("<html>502 upstream hiccup</html>", "text/html");
+        return;
+      }
+      if (mode == "slow") {
+        bool first;
+        {
+          std::lock_guard lock(mu);
+          first = seen_slow.insert(meta["uid"].get<int64_t>()).second;
+        }
+        if (first) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      }
+      nlohmann::json scores = nlohmann::json::array();
+      for (const auto& s : samples) scores.push_back(s["completion"].get<std::string>().empty() ? 0.0 : 1.0);
+      res.set_content(nlohmann::json{{"scores", scores}}.dump(), "application/json");
+    });
+    port = server.bind_to_any_port("127.0.0.1");
+    REQUIRE(port > 0);
+    thread = std::thread([this] { server.listen_after_bind(); });
+    while (!server.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ~FakeRewardService() {
+    server.stop();
+    thread.join();
+  }
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port) + "/score"; }
+};
+
+RewardSpec http_spec(const std::string& url) {
+  return {.name = "service", .kind = "http", .url = url, .timeout_s = 0.5, .retries = 2, .backoff_s = 0.05};
+}
+
+}  // namespace
+
+TEST_CASE("a reward plugin that throws fails its groups only; the rest train, each prompt once") {
+  torch::manual_seed(0);
+  auto reward = std::make_shared<CombinedReward>(make_combined_reward(
+      {{.name = "correct", .kind = "math_answer"}, {.name = "plugin", .weight = 0.0, .plugin = PLUGIN_THROWS}}));
+  // Every third prompt makes the plugin throw; steps 2's batch (prompts 4..7) also has one.
+  auto r = run(reward, [](int64_t k) { return k % 3 == 0 ? Mode::fail : Mode::ok; }, "plugin");
+  check_accounting(r, 6, 4, r.handed_out[Mode::fail]);
+  CHECK(r.handed_out[Mode::fail] == 8);  // prompts 0, 3, ..., 21 of 24
+  for (const auto& f : r.failures) CHECK(f["error"].get<std::string>().find("asked to fail") != std::string::npos);
+  // Versions advance once per step that trained something: here every step did.
+  CHECK(r.result.metrics.back()["policy_version"].get<int64_t>() == 6);
+}
+
+TEST_CASE("an HTTP reward service that is slow (retried), answers garbage (failed) or is down (all failed)") {
+  torch::manual_seed(0);
+  SUBCASE("slow and garbage") {
+    FakeRewardService service;
+    auto reward = std::make_shared<CombinedReward>(make_combined_reward({http_spec(service.url())}));
+    auto mode_of = [](int64_t k) { return k == 1 || k == 9 ? Mode::slow : k % 5 == 2 ? Mode::garbage : Mode::ok; };
+    auto r = run(reward, mode_of, "http");
+    check_accounting(r, 6, 4, r.handed_out[Mode::garbage]);
+    CHECK(r.handed_out[Mode::garbage] == 5);  // prompts 2, 7, 12, 17, 22
+    CHECK(r.handed_out[Mode::slow] == 2);     // timed out once each, then retried and trained
+    for (const auto& f : r.failures) CHECK(f["error"].get<std::string>().find("is not JSON") != std::string::npos);
+    std::set<int64_t> trained(r.result.trained.begin(), r.result.trained.end());
+    CHECK(trained.count(1) == 1);
+    CHECK(trained.count(9) == 1);
+    // 24 groups, one request each, plus one retry per slow prompt.
+    CHECK(service.requests.load() == 24 + 2);
+  }
+  SUBCASE("down") {
+    std::string url;
+    {
+      FakeRewardService gone;  // a port that was free a moment ago and is closed now
+      url = gone.url();
+    }
+    auto reward = std::make_shared<CombinedReward>(make_combined_reward({http_spec(url)}));
+    auto r = run(reward, [](int64_t) { return Mode::ok; }, "down", 3);
+    check_accounting(r, 3, 4, 12);
+    for (const auto& j : r.result.metrics) {
+      CHECK(j["loss"].is_null());  // nothing to learn from: no optimizer step
+      CHECK(j["policy_version"].get<int64_t>() == 0);
+    }
+    REQUIRE(!r.failures.empty());
+    CHECK(r.failures[0]["error"].get<std::string>().find(url) != std::string::npos);
+    CHECK(r.failures[0]["error"].get<std::string>().find("after 3 attempts") != std::string::npos);
+  }
+}
