@@ -78,12 +78,22 @@ torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
 
 }  // namespace
 
+torch::Tensor Projection::add_lora(const torch::Tensor& y, const torch::Tensor& x, bool training) const {
+  if (!has_lora()) return y;
+  // As PEFT: the input is cast to the adapter's dtype (float32 adapters on a bfloat16 base
+  // stay float32 through the adapter), and the sum back to the base's.
+  auto h = x.to(lora_A.scalar_type());
+  if (lora_dropout > 0.0) h = torch::dropout(h, lora_dropout, training);
+  auto delta = F::linear(F::linear(h, lora_A), lora_B) * lora_scale;  // (..., r) then (..., out)
+  return (y + delta).to(y.scalar_type());
+}
+
 AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t layer)
     : layer_(layer), n_heads_(c.num_attention_heads), n_kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim) {
-  q_proj_ = register_module("q_proj", linear(c.hidden_size, n_heads_ * head_dim_, c.qkv_bias));
-  k_proj_ = register_module("k_proj", linear(c.hidden_size, n_kv_heads_ * head_dim_, c.qkv_bias));
-  v_proj_ = register_module("v_proj", linear(c.hidden_size, n_kv_heads_ * head_dim_, c.qkv_bias));
-  o_proj_ = register_module("o_proj", linear(n_heads_ * head_dim_, c.hidden_size, c.o_bias));
+  q_proj_.base = register_module("q_proj", linear(c.hidden_size, n_heads_ * head_dim_, c.qkv_bias));
+  k_proj_.base = register_module("k_proj", linear(c.hidden_size, n_kv_heads_ * head_dim_, c.qkv_bias));
+  v_proj_.base = register_module("v_proj", linear(c.hidden_size, n_kv_heads_ * head_dim_, c.qkv_bias));
+  o_proj_.base = register_module("o_proj", linear(n_heads_ * head_dim_, c.hidden_size, c.o_bias));
   if (c.qk_norm) {
     q_norm_ = register_module("q_norm", RMSNorm(head_dim_, c.rms_norm_eps));
     k_norm_ = register_module("k_norm", RMSNorm(head_dim_, c.rms_norm_eps));
@@ -95,14 +105,16 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   const int64_t B = x.size(0), T = x.size(1);
   // q, k and v in one GEMM over the concatenated weights: one large GEMM runs closer to peak
   // on a CPU than three small ones (about 10% of the forward pass), and the parameters keep
-  // their Hugging Face names; the concatenation copy is small next to the GEMM.
-  auto qkv = F::linear(x, torch::cat({q_proj_->weight, k_proj_->weight, v_proj_->weight}),
-                       q_proj_->bias.defined() ? torch::cat({q_proj_->bias, k_proj_->bias, v_proj_->bias})
-                                               : torch::Tensor())
+  // their Hugging Face names; the concatenation copy is small next to the GEMM. LoRA adapters
+  // add their terms to their own slices.
+  const auto& wq = q_proj_.base, &wk = k_proj_.base, &wv = v_proj_.base;
+  auto qkv = F::linear(x, torch::cat({wq->weight, wk->weight, wv->weight}),
+                       wq->bias.defined() ? torch::cat({wq->bias, wk->bias, wv->bias}) : torch::Tensor())
                  .split({n_heads_ * head_dim_, n_kv_heads_ * head_dim_, n_kv_heads_ * head_dim_}, -1);
-  auto q = qkv[0].view({B, T, n_heads_, head_dim_});     // (B, T, nh, hd)
-  auto k = qkv[1].view({B, T, n_kv_heads_, head_dim_});  // (B, T, nkv, hd)
-  auto v = qkv[2].view({B, T, n_kv_heads_, head_dim_});
+  const bool train = is_training();
+  auto q = q_proj_.add_lora(qkv[0], x, train).view({B, T, n_heads_, head_dim_});     // (B, T, nh, hd)
+  auto k = k_proj_.add_lora(qkv[1], x, train).view({B, T, n_kv_heads_, head_dim_});  // (B, T, nkv, hd)
+  auto v = v_proj_.add_lora(qkv[2], x, train).view({B, T, n_kv_heads_, head_dim_});
   if (q_norm_) {
     q = q_norm_(q);
     k = k_norm_(k);
@@ -145,21 +157,37 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     out = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal, scale,
                                            /*enable_gqa=*/n_kv_heads_ != n_heads_);  // (B, nh, T, hd)
   }
-  return o_proj_(out.transpose(1, 2).reshape({B, T, n_heads_ * head_dim_}));
+  return o_proj_.forward(out.transpose(1, 2).reshape({B, T, n_heads_ * head_dim_}), train);
+}
+
+void AttentionImpl::projections(const std::string& prefix, ProjectionList& out) {
+  out.emplace_back(prefix + "q_proj", &q_proj_);
+  out.emplace_back(prefix + "k_proj", &k_proj_);
+  out.emplace_back(prefix + "v_proj", &v_proj_);
+  out.emplace_back(prefix + "o_proj", &o_proj_);
 }
 
 MLPImpl::MLPImpl(const ModelConfig& c) {
-  gate_proj_ = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-  up_proj_ = register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-  down_proj_ = register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+  gate_proj_.base = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+  up_proj_.base = register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+  down_proj_.base = register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   // gate and up in one GEMM, for the same reason as q, k and v.
-  auto gate_up = F::linear(x, torch::cat({gate_proj_->weight, up_proj_->weight}),
-                           gate_proj_->bias.defined() ? torch::cat({gate_proj_->bias, up_proj_->bias}) : torch::Tensor())
+  const auto& wg = gate_proj_.base, &wu = up_proj_.base;
+  auto gate_up = F::linear(x, torch::cat({wg->weight, wu->weight}),
+                           wg->bias.defined() ? torch::cat({wg->bias, wu->bias}) : torch::Tensor())
                      .chunk(2, -1);
-  return down_proj_(F::silu(gate_up[0]) * gate_up[1]);
+  const bool train = is_training();
+  auto gate = gate_proj_.add_lora(gate_up[0], x, train), up = up_proj_.add_lora(gate_up[1], x, train);
+  return down_proj_.forward(F::silu(gate) * up, train);
+}
+
+void MLPImpl::projections(const std::string& prefix, ProjectionList& out) {
+  out.emplace_back(prefix + "gate_proj", &gate_proj_);
+  out.emplace_back(prefix + "up_proj", &up_proj_);
+  out.emplace_back(prefix + "down_proj", &down_proj_);
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t layer) {
@@ -173,6 +201,11 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Ten
                                         const torch::Tensor& mask, KVCache* cache) {
   auto h = x + self_attn_(input_layernorm_(x), cos, sin, mask, cache);
   return h + mlp_(post_attention_layernorm_(h));
+}
+
+void DecoderLayerImpl::projections(const std::string& prefix, ProjectionList& out) {
+  self_attn_->projections(prefix + "self_attn.", out);
+  mlp_->projections(prefix + "mlp.", out);
 }
 
 DecoderImpl::DecoderImpl(const ModelConfig& c) : rotary_(c) {
@@ -191,6 +224,11 @@ torch::Tensor DecoderImpl::forward(const torch::Tensor& ids, const torch::Tensor
   return norm_(h);
 }
 
+void DecoderImpl::projections(const std::string& prefix, ProjectionList& out) {
+  for (size_t l = 0; l < layers_->size(); ++l)
+    layers_->ptr<DecoderLayerImpl>(l)->projections(prefix + "layers." + std::to_string(l) + ".", out);
+}
+
 TransformerImpl::TransformerImpl(ModelConfig config) : config_(std::move(config)) {
   model_ = register_module("model", Decoder(config_));
   if (!config_.tie_word_embeddings)
@@ -202,6 +240,18 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const torch::Te
   TORCH_CHECK(ids.dim() == 2, "ids must be [B, T], got ", ids.sizes());
   TORCH_CHECK(positions.sizes() == ids.sizes(), "positions ", positions.sizes(), " must match ids ", ids.sizes());
   return model_(ids, positions, mask, cache);
+}
+
+ProjectionList TransformerImpl::projections() {
+  ProjectionList out;
+  model_->projections("model.", out);
+  return out;
+}
+
+std::vector<std::pair<std::string, const Projection*>> TransformerImpl::projections() const {
+  // The walk itself changes nothing; only the pointers it hands out could.
+  auto list = const_cast<TransformerImpl*>(this)->projections();
+  return {list.begin(), list.end()};
 }
 
 torch::Tensor TransformerImpl::lm_head_weight() {

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/nn/module.h>
@@ -54,15 +56,40 @@ class RotaryEmbedding {
   torch::Tensor inv_freq_;  // [head_dim / 2], float32; deliberately not a buffer, so casts keep it float32
 };
 
+// One linear projection of a block, with an optional LoRA adapter computed as PEFT's
+// lora.Linear computes it: y = x W^T + b + B(A(dropout(x))) * scale, scale = alpha / r.
+// The base is a torch::nn::Linear registered under its HF name; an adapter's A [r, in] and
+// B [out, r] are registered under it as lora_A.weight and lora_B.weight, PEFT's names less
+// its `base_model.model.` prefix. policy/lora.hpp attaches, merges, saves and loads them.
+struct Projection {
+  torch::nn::Linear base{nullptr};
+  torch::Tensor lora_A, lora_B;  // [r, in], [out, r]; undefined without an adapter
+  double lora_scale = 0.0;       // alpha / r (alpha / sqrt(r) with rsLoRA)
+  double lora_dropout = 0.0;     // on the adapter's input, in training mode only
+
+  bool has_lora() const { return lora_A.defined(); }
+  // y = base(x) [..., out], or its slice of a fused GEMM -> y plus the adapter's term; y itself
+  // when there is no adapter. The term is two thin GEMMs (x A^T, then B^T), never W + BA, so
+  // training pays no full-size weight gradient.
+  torch::Tensor add_lora(const torch::Tensor& y, const torch::Tensor& x, bool training) const;
+  torch::Tensor forward(const torch::Tensor& x, bool training) const {
+    return add_lora(base.ptr()->forward(x), x, training);
+  }
+};
+
+// Projections by HF module name ("model.layers.0.self_attn.q_proj"), in module order.
+using ProjectionList = std::vector<std::pair<std::string, Projection*>>;
+
 class AttentionImpl : public torch::nn::Module {
  public:
   AttentionImpl(const ModelConfig& config, int64_t layer);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask, KVCache* cache);
+  void projections(const std::string& prefix, ProjectionList& out);
 
  private:
   int64_t layer_, n_heads_, n_kv_heads_, head_dim_;
-  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, o_proj_{nullptr};
+  Projection q_proj_, k_proj_, v_proj_, o_proj_;
   RMSNorm q_norm_{nullptr}, k_norm_{nullptr};
 };
 TORCH_MODULE(Attention);
@@ -71,9 +98,10 @@ class MLPImpl : public torch::nn::Module {
  public:
   explicit MLPImpl(const ModelConfig& config);
   torch::Tensor forward(const torch::Tensor& x);
+  void projections(const std::string& prefix, ProjectionList& out);
 
  private:
-  torch::nn::Linear gate_proj_{nullptr}, up_proj_{nullptr}, down_proj_{nullptr};
+  Projection gate_proj_, up_proj_, down_proj_;
 };
 TORCH_MODULE(MLP);
 
@@ -82,6 +110,7 @@ class DecoderLayerImpl : public torch::nn::Module {
   DecoderLayerImpl(const ModelConfig& config, int64_t layer);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask, KVCache* cache);
+  void projections(const std::string& prefix, ProjectionList& out);
 
  private:
   Attention self_attn_{nullptr};
@@ -97,6 +126,7 @@ class DecoderImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions,
                         const torch::Tensor& mask, KVCache* cache);
   torch::nn::Embedding& embed_tokens() { return embed_tokens_; }
+  void projections(const std::string& prefix, ProjectionList& out);
 
  private:
   torch::nn::Embedding embed_tokens_{nullptr};
@@ -123,6 +153,10 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor logits(const torch::Tensor& hidden);
   torch::Tensor lm_head_weight();  // the embedding matrix when tied
   const ModelConfig& config() const { return config_; }
+
+  // The block projections LoRA can adapt (q/k/v/o_proj, gate/up/down_proj), by HF module name.
+  ProjectionList projections();
+  std::vector<std::pair<std::string, const Projection*>> projections() const;
 
  private:
   ModelConfig config_;
