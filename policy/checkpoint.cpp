@@ -10,6 +10,7 @@
 #include "policy/error.hpp"
 #include "policy/gguf.hpp"
 #include "policy/gguf_tokenizer.hpp"
+#include "policy/lora.hpp"
 #include "policy/safetensors.hpp"
 
 namespace troupe {
@@ -94,6 +95,14 @@ std::map<std::string, torch::Tensor> read_gguf(const gguf::File& file, const Mod
   return out;
 }
 
+// The Hugging Face weights: every parameter but LoRA adapters.
+std::map<std::string, torch::Tensor> base_parameters(const TransformerImpl& model) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : model.named_parameters(/*recurse=*/true))
+    if (!is_lora_parameter(item.key())) out[item.key()] = item.value();
+  return out;
+}
+
 void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
   for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}) {
     if (fs::exists(from / name)) fs::copy_file(from / name, to / name, fs::copy_options::overwrite_existing);
@@ -115,9 +124,11 @@ std::map<std::string, torch::Tensor> read_safetensors(const safetensors::Checkpo
 }
 
 std::map<std::string, torch::Tensor> state_dict(const TransformerImpl& model) {
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) out[item.key()] = item.value();
-  return out;
+  if (has_lora(model))
+    throw Error("state_dict: the model has LoRA adapters, which Hugging Face weights cannot hold: take "
+                "merged_state_dict() for the weights with the adapters folded in, lora_state_dict() or "
+                "save_peft_adapter() for the adapters alone, or merge_lora() first (policy/lora.hpp)");
+  return base_parameters(model);
 }
 
 void load_weights(TransformerImpl& model, const std::map<std::string, torch::Tensor>& weights,
@@ -126,7 +137,7 @@ void load_weights(TransformerImpl& model, const std::map<std::string, torch::Ten
   auto ignorable = [&](const std::string& name) {
     return ends_with(name, "rotary_emb.inv_freq") || (name == "lm_head.weight" && model.config().tie_word_embeddings);
   };
-  auto params = state_dict(model);
+  auto params = base_parameters(model);  // a model with LoRA adapters gets new base weights under them
   std::vector<std::string> missing, unexpected, mismatched;
   for (const auto& [name, param] : params) {
     auto it = weights.find(name);

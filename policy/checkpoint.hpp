@@ -39,6 +39,7 @@ LoadedModel load_model(const std::filesystem::path& path, const LoadOptions& opt
 
 // Copies every parameter from `weights` name for name (converting dtype); throws Error
 // listing missing, unexpected or mis-shaped tensors. `origin` names the source in errors.
+// LoRA adapters are left as they are: only the Hugging Face weights under them are loaded.
 void load_weights(TransformerImpl& model, const std::map<std::string, torch::Tensor>& weights,
                   const std::string& origin);
 std::map<std::string, torch::Tensor> read_safetensors(const safetensors::Checkpoint& checkpoint);
@@ -53,6 +54,8 @@ struct SaveOptions {
 void save_hf_dir(const LoadedModel& model, const std::filesystem::path& dir, const SaveOptions& options = {});
 
 // The parameters as name -> tensor, with HF names (tied lm_head left out, as HF saves it).
+// Throws Error for a model with LoRA adapters attached rather than hand out base weights
+// that silently lack them: see merged_state_dict() and lora_state_dict() in policy/lora.hpp.
 std::map<std::string, torch::Tensor> state_dict(const TransformerImpl& model);
 
 }  // namespace troupe
