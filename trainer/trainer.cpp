@@ -1,10 +1,12 @@
 // Batches rollouts into right-padded token tensors, computes log-probs chunk by chunk
-// (kernels/logprobs) and applies the GRPO or SFT loss. Sharding and activation
-// checkpointing are applied from outside; this file trains one replica.
+// (kernels/logprobs) and applies the GRPO, SFT or DPO loss. Activation checkpointing wraps
+// the model's decoder layers from outside; sharding is not here: this file trains one replica.
 #include "trainer/trainer.hpp"
 
 #include <cmath>
+#include <mutex>
 #include <numbers>
+#include <unordered_set>
 
 #include <torch/torch.h>
 
@@ -12,7 +14,92 @@
 #include "policy/error.hpp"
 
 namespace troupe {
+
+// The pieces of Transformer's trunk, found by their Hugging Face module names, so that each
+// decoder layer can run under CheckpointedLayer. Its forward() mirrors DecoderImpl::forward
+// without a cache; test_sft checks that it gives the same loss and gradients.
+struct Trainer::Trunk {
+  torch::nn::EmbeddingImpl* embed = nullptr;
+  std::vector<DecoderLayerImpl*> layers;
+  std::vector<std::vector<torch::Tensor>> layer_params;  // [layer] its parameters, in parameters() order
+  RMSNormImpl* norm = nullptr;
+  RotaryEmbedding rotary;
+
+  explicit Trunk(TransformerImpl& model);
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& mask);
+};
+
 namespace {
+
+torch::Tensor rng_state(torch::Device device) {
+  auto gen = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_rng_state(torch::Device device, const torch::Tensor& state) {
+  auto gen = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+// One decoder layer that keeps only its input: the forward pass runs without a graph, and the
+// backward pass runs the layer again with one and differentiates that. The layer's parameters
+// are inputs of the node so that their gradients accumulate as usual. The random state is
+// saved and replayed (as torch.utils.checkpoint does), so dropout draws the same masks twice.
+// Parameters being inputs (rather than the reentrant backward() of torch.utils.checkpoint) keeps
+// adapters in the first layer trained when the embedding is frozen; the one visible difference:
+// a tensor hook on a layer parameter fires twice per backward pass, with the same gradient.
+struct CheckpointedLayer : torch::autograd::Function<CheckpointedLayer> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, DecoderLayerImpl* layer,
+                               const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& mask,
+                               at::TensorList params) {
+    ctx->saved_data["layer"] = reinterpret_cast<int64_t>(layer);
+    ctx->saved_data["params"] = static_cast<int64_t>(params.size());
+    // The random state the layer starts from (LoRA's dropout draws from it), to replay it.
+    ctx->saved_data["rng_cpu"] = rng_state(torch::kCPU);
+    if (!x.is_cpu()) ctx->saved_data["rng_device"] = rng_state(x.device());
+    ctx->save_for_backward({x, cos, sin, mask});
+    return layer->forward(x, cos, sin, mask, nullptr);  // no graph: autograd is off inside forward
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    auto* layer = reinterpret_cast<DecoderLayerImpl*>(ctx->saved_data["layer"].toInt());
+    const auto saved = ctx->get_saved_variables();
+    const auto params = layer->parameters();
+    TORCH_CHECK(static_cast<int64_t>(params.size()) == ctx->saved_data["params"].toInt(),
+                "activation checkpointing: the layer's parameters changed between forward and backward");
+    auto x = saved[0].detach().requires_grad_(true);
+    torch::Tensor out;
+    {
+      // Replay the forward pass's random draws, then put back the state the rest of the run is at.
+      const auto device = x.device();
+      const auto now_cpu = rng_state(torch::kCPU);
+      const auto now_device = device.is_cpu() ? torch::Tensor() : rng_state(device);
+      set_rng_state(torch::kCPU, ctx->saved_data["rng_cpu"].toTensor());
+      if (!device.is_cpu()) set_rng_state(device, ctx->saved_data["rng_device"].toTensor());
+      torch::AutoGradMode enable(true);
+      out = layer->forward(x, saved[1], saved[2], saved[3], nullptr);
+      set_rng_state(torch::kCPU, now_cpu);
+      if (!device.is_cpu()) set_rng_state(device, now_device);
+    }
+    std::vector<torch::Tensor> wrt{x};
+    std::vector<size_t> trained;  // indices into params of those that take a gradient
+    for (size_t i = 0; i < params.size(); ++i)
+      if (params[i].requires_grad()) {
+        wrt.push_back(params[i]);
+        trained.push_back(i);
+      }
+    auto grads = torch::autograd::grad({out}, wrt, {grad_out[0]}, /*retain_graph=*/false, /*create_graph=*/false,
+                                       /*allow_unused=*/true);
+    // One gradient per forward argument: x, layer, cos, sin, mask, then each parameter.
+    torch::autograd::variable_list result(5 + params.size());
+    result[0] = grads[0];
+    for (size_t k = 0; k < trained.size(); ++k) result[5 + trained[k]] = grads[1 + k];
+    return result;
+  }
+};
 
 // Sequences as prompt + completion, right-padded; per-position targets and masks so that
 // position t predicts token t + 1.
@@ -55,19 +142,55 @@ Packed pack(const std::vector<std::pair<const std::vector<int32_t>*, const std::
   return {ids, token_mask, loss_mask, mu, ref};
 }
 
+// The final hidden states (B, T, H), through the checkpointed trunk when one is given and
+// gradients are on.
+torch::Tensor hidden_states(TransformerImpl& model, Trainer::Trunk* trunk, const torch::Tensor& ids,
+                            const torch::Tensor& positions, const torch::Tensor& mask) {
+  if (trunk && torch::GradMode::is_enabled()) return trunk->forward(ids, positions, mask);
+  return model.forward(ids, positions, mask);
+}
+
 // log pi(target) for every position of the packed batch: (B, T-1)
-torch::Tensor sequence_logprobs(TransformerImpl& model, const Packed& p, int64_t chunk) {
+torch::Tensor sequence_logprobs(TransformerImpl& model, const Packed& p, int64_t chunk,
+                                Trainer::Trunk* trunk = nullptr) {
   auto device = model.lm_head_weight().device();
   auto ids = p.ids.to(device);
   auto token_mask = p.token_mask.to(device);
   auto positions = positions_from_mask(token_mask);
-  auto hidden = model.forward(ids, positions, attention_mask(token_mask, positions));  // (B, T, H)
+  auto hidden = hidden_states(model, trunk, ids, positions, attention_mask(token_mask, positions));  // (B, T, H)
   const int64_t T = ids.size(1);
   return kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), ids.narrow(1, 1, T - 1),
                                  /*temperature=*/1.0, chunk);
 }
 
 }  // namespace
+
+Trainer::Trunk::Trunk(TransformerImpl& model) : rotary(model.config()) {
+  const auto modules = model.named_modules();
+  auto find = [&](const std::string& name) {
+    auto* m = modules.find(name);
+    if (!m) throw Error("activation checkpointing: the model has no module '" + name + "'");
+    return m->get();
+  };
+  embed = dynamic_cast<torch::nn::EmbeddingImpl*>(find("model.embed_tokens"));
+  norm = dynamic_cast<RMSNormImpl*>(find("model.norm"));
+  for (int64_t l = 0; l < model.config().num_hidden_layers; ++l) {
+    auto* layer = dynamic_cast<DecoderLayerImpl*>(find("model.layers." + std::to_string(l)));
+    if (!layer) throw Error("activation checkpointing: model.layers." + std::to_string(l) + " is not a decoder layer");
+    layers.push_back(layer);
+    layer_params.push_back(layer->parameters());
+  }
+  if (!embed || !norm) throw Error("activation checkpointing: unexpected module types in the model's trunk");
+}
+
+torch::Tensor Trainer::Trunk::forward(const torch::Tensor& ids, const torch::Tensor& positions,
+                                      const torch::Tensor& mask) {
+  auto h = embed->forward(ids);  // (B, T, H)
+  auto [cos, sin] = rotary.cos_sin(positions, h.scalar_type());
+  for (size_t l = 0; l < layers.size(); ++l)
+    h = CheckpointedLayer::apply(h, layers[l], cos, sin, mask, at::TensorList(layer_params[l]));
+  return norm->forward(h);
+}
 
 std::vector<std::vector<float>> completion_logprobs(TransformerImpl& model, const RolloutGroup& group, int64_t chunk) {
   torch::NoGradGuard no_grad;
@@ -85,12 +208,24 @@ std::vector<std::vector<float>> completion_logprobs(TransformerImpl& model, cons
   return out;
 }
 
-Trainer::Trainer(Transformer model, TrainerConfig config) : model_(std::move(model)), config_(config) {
+Trainer::Trainer(Transformer model, TrainerConfig config) : Trainer(model, config, model->parameters()) {}
+
+Trainer::Trainer(Transformer model, TrainerConfig config, std::vector<torch::Tensor> params)
+    : model_(std::move(model)), config_(config), params_(std::move(params)) {
   if (config_.num_iterations < 1) throw Error("trainer: num_iterations must be at least 1");
+  if (params_.empty()) throw Error("trainer: the list of parameters to optimize is empty");
+  std::unordered_set<const void*> optimized;
+  for (auto& p : params_) {
+    if (!p.defined()) throw Error("trainer: a parameter to optimize is undefined");
+    p.requires_grad_(true);
+    optimized.insert(p.unsafeGetTensorImpl());
+  }
+  for (auto& p : model_->parameters())
+    if (!optimized.count(p.unsafeGetTensorImpl())) p.requires_grad_(false);
   const auto& o = config_.optimizer;
   optimizer_ = std::make_unique<torch::optim::AdamW>(
-      model_->parameters(),
-      torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+      params_, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  if (config_.activation_checkpointing) trunk_ = std::make_unique<Trunk>(*model_);
   model_->train();
 }
 
@@ -108,9 +243,9 @@ double Trainer::lr_at(int64_t step) const {
 double Trainer::finish_step() {
   double norm = 0;
   if (config_.optimizer.max_grad_norm > 0) {
-    norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), config_.optimizer.max_grad_norm);
+    norm = torch::nn::utils::clip_grad_norm_(params_, config_.optimizer.max_grad_norm);
   } else {
-    for (const auto& p : model_->parameters())
+    for (const auto& p : params_)
       if (p.grad().defined()) norm += p.grad().pow(2).sum().item<double>();
     norm = std::sqrt(norm);
   }
@@ -167,7 +302,7 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
     for (int64_t s = 0; s < B; s += micro) {
       int64_t len = std::min(micro, B - s);
       Packed part{packed.ids.narrow(0, s, len), packed.token_mask.narrow(0, s, len), {}, {}, {}};
-      parts.push_back(sequence_logprobs(*model_, part, config_.logprob_chunk));
+      parts.push_back(sequence_logprobs(*model_, part, config_.logprob_chunk));  // no grad: no checkpointing
     }
     prox = torch::cat(parts, 0);
   }
@@ -182,7 +317,7 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
       const int64_t len = std::min(micro, B - s);
       Packed part{packed.ids.narrow(0, s, len), packed.token_mask.narrow(0, s, len), {}, {}, {}};
       // Positions beyond this micro-batch's own length are padding; trim to keep shapes tight.
-      auto logp = sequence_logprobs(*model_, part, config_.logprob_chunk);
+      auto logp = sequence_logprobs(*model_, part, config_.logprob_chunk, trunk_.get());
       grpo::LossInputs in{logp,
                           prox.defined() ? slice(prox, s, len) : logp.detach(),
                           slice(packed.behaviour, s, len),
@@ -214,16 +349,195 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
 
 double Trainer::sft_step(const std::vector<SftExample>& examples) {
   if (examples.empty()) throw Error("trainer: sft_step needs at least one example");
-  std::vector<std::pair<const std::vector<int32_t>*, const std::vector<int32_t>*>> seqs;
-  for (const auto& e : examples) seqs.push_back({&e.prompt_ids, &e.completion_ids});
-  auto packed = pack(seqs, {}, {});
-  auto device = model_->lm_head_weight().device();
-  auto logp = sequence_logprobs(*model_, packed, config_.logprob_chunk);
-  auto mask = packed.loss_mask.to(device);
-  auto loss = -(logp * mask).sum() / mask.sum().clamp_min(1);
-  loss.backward();
-  finish_step();
-  return loss.item<double>();
+  std::vector<sft::Sequence> seqs;
+  for (const auto& e : examples) {
+    sft::Sequence s;
+    s.ids = e.prompt_ids;
+    s.ids.insert(s.ids.end(), e.completion_ids.begin(), e.completion_ids.end());
+    s.loss_mask.assign(e.prompt_ids.size(), 0);
+    s.loss_mask.resize(s.ids.size(), 1);
+    seqs.push_back(std::move(s));
+  }
+  auto batches = sft::micro_batches(seqs, {.packing = false, .micro_rows = config_.micro_batch});
+  return sft_step(batches).loss;
+}
+
+torch::Tensor Trainer::target_logprobs(const sft::Batch& batch) {
+  const auto device = model_->lm_head_weight().device();
+  const int64_t T = batch.ids.size(1);
+  auto ids = batch.ids.to(device);
+  auto positions = batch.positions.to(device);
+  auto mask = attention_mask(batch.token_mask.to(device), positions);
+  auto hidden = hidden_states(*model_, trunk_.get(), ids, positions, mask);  // (B, T, H)
+  return kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model_->lm_head_weight(), ids.narrow(1, 1, T - 1),
+                                 /*temperature=*/1.0, config_.logprob_chunk);  // (B, T-1)
+}
+
+SftMetrics Trainer::sft_step(std::span<const sft::Batch> micro_batches) {
+  SftMetrics m;
+  for (const auto& b : micro_batches) {
+    m.tokens += b.tokens;
+    m.sequences += b.sequences;
+    m.rows += b.ids.defined() ? b.ids.size(0) : 0;
+  }
+  if (m.tokens == 0) throw Error("trainer: sft_step got no trained tokens (an empty batch, or no assistant tokens)");
+  const auto device = model_->lm_head_weight().device();
+  double nll_sum = 0;
+  for (const auto& b : micro_batches) {
+    if (b.tokens == 0) continue;
+    auto logp = target_logprobs(b);
+    auto nll = -(logp * b.loss_mask.to(device)).sum();
+    // Summed, then divided by the whole step's token count: the micro-batches' gradients add
+    // up to the gradient of the mean over all of them.
+    (nll / static_cast<double>(m.tokens)).backward();
+    nll_sum += nll.item<double>();
+  }
+  m.loss = nll_sum / m.tokens;
+  m.lr = lr_at(version_);
+  m.grad_norm = finish_step();
+  return m;
+}
+
+double Trainer::sft_eval(std::span<const sft::Batch> batches) {
+  torch::NoGradGuard no_grad;
+  const auto device = model_->lm_head_weight().device();
+  double nll_sum = 0;
+  int64_t tokens = 0;
+  for (const auto& b : batches) {
+    if (b.tokens == 0) continue;
+    nll_sum += -(target_logprobs(b) * b.loss_mask.to(device)).sum().item<double>();
+    tokens += b.tokens;
+  }
+  if (tokens == 0) throw Error("trainer: sft_eval got no trained tokens");
+  return nll_sum / tokens;
+}
+
+DpoMetrics Trainer::dpo_pass(std::span<const dpo::Pair> pairs, bool train) {
+  if (pairs.empty()) throw Error("trainer: dpo needs at least one preference pair");
+  for (const auto& p : pairs)
+    if (std::isnan(p.ref_chosen) || std::isnan(p.ref_rejected))
+      throw Error("trainer: preference pair" + (p.line ? " from line " + std::to_string(p.line) : std::string()) +
+                  " has no reference log-probs (run dpo::compute_reference first)");
+  const auto device = model_->lm_head_weight().device();
+  const int64_t B = pairs.size();
+  const int64_t micro = config_.dpo_micro_pairs > 0 ? config_.dpo_micro_pairs : B;
+  DpoMetrics m;
+  m.pairs = B;
+  for (int64_t s = 0; s < B; s += micro) {
+    const int64_t n = std::min(micro, B - s);
+    // Chosen rows then rejected rows of the same pairs in one forward pass.
+    std::vector<sft::Sequence> seqs;
+    std::vector<double> ref_c, ref_r;
+    for (int64_t i = s; i < s + n; ++i) {
+      seqs.push_back(pairs[i].chosen);
+      ref_c.push_back(pairs[i].ref_chosen);
+      ref_r.push_back(pairs[i].ref_rejected);
+    }
+    for (int64_t i = s; i < s + n; ++i) seqs.push_back(pairs[i].rejected);
+    auto batch = sft::collate(seqs);
+    auto logp = target_logprobs(batch);                                                          // (2n, T-1)
+    auto sums = (logp.to(torch::kFloat64) * batch.loss_mask.to(device, torch::kFloat64)).sum(1);  // (2n)
+    auto out = dpo::loss({sums.narrow(0, 0, n), sums.narrow(0, n, n), torch::tensor(ref_c, torch::kFloat64).to(device),
+                          torch::tensor(ref_r, torch::kFloat64).to(device)},
+                         config_.dpo);
+    const double share = n / static_cast<double>(B);  // the loss is a mean over pairs
+    if (train) (out.loss * share).backward();
+    m.loss += out.loss.item<double>() * share;
+    m.reward_chosen += out.reward_chosen * share;
+    m.reward_rejected += out.reward_rejected * share;
+    m.accuracy += out.accuracy * share;
+    m.margin += out.margin * share;
+    m.logps_chosen += out.logps_chosen * share;
+    m.logps_rejected += out.logps_rejected * share;
+  }
+  return m;
+}
+
+DpoMetrics Trainer::dpo_step(std::span<const dpo::Pair> pairs) {
+  auto m = dpo_pass(pairs, /*train=*/true);
+  m.lr = lr_at(version_);
+  m.grad_norm = finish_step();
+  return m;
+}
+
+DpoMetrics Trainer::dpo_eval(std::span<const dpo::Pair> pairs) {
+  torch::NoGradGuard no_grad;
+  return dpo_pass(pairs, /*train=*/false);
+}
+
+namespace {
+constexpr const char* kStateFormat = "troupe-optimizer-state";
+constexpr int64_t kStateVersion = 1;
+
+std::string shape_string(torch::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+}  // namespace
+
+void Trainer::save_state(const std::filesystem::path& file) const {
+  torch::serialize::OutputArchive archive;
+  archive.write("troupe/format", c10::IValue(std::string(kStateFormat)));
+  archive.write("troupe/format_version", torch::tensor(kStateVersion));
+  archive.write("troupe/version", torch::tensor(version_));
+  archive.write("troupe/parameters", torch::tensor(static_cast<int64_t>(params_.size())));
+  for (size_t i = 0; i < params_.size(); ++i)
+    archive.write("troupe/shape/" + std::to_string(i), torch::tensor(params_[i].sizes().vec()));
+  torch::serialize::OutputArchive opt;
+  optimizer_->save(opt);
+  archive.write("optimizer", opt);
+  if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path());
+  try {
+    archive.save_to(file.string());
+  } catch (const c10::Error& e) {
+    throw Error(file.string() + ": cannot write the optimizer state (" + e.what_without_backtrace() + ")");
+  }
+}
+
+void Trainer::load_state(const std::filesystem::path& file) {
+  const std::string name = file.string();
+  if (!std::filesystem::exists(file)) throw Error(name + ": no such optimizer state file");
+  const auto device = params_[0].device();
+  torch::serialize::InputArchive archive;
+  c10::IValue format;
+  torch::Tensor format_version, version, count;
+  try {
+    archive.load_from(name, device);
+    archive.read("troupe/format", format);
+    archive.read("troupe/format_version", format_version);
+    archive.read("troupe/version", version);
+    archive.read("troupe/parameters", count);
+  } catch (const c10::Error& e) {
+    throw Error(name + ": not a troupe optimizer state file (" + e.what_without_backtrace() + ")");
+  }
+  if (!format.isString() || format.toStringRef() != kStateFormat)
+    throw Error(name + ": not a troupe optimizer state file");
+  if (format_version.item<int64_t>() != kStateVersion)
+    throw Error(name + ": optimizer state format " + std::to_string(format_version.item<int64_t>()) + ", this build reads " +
+                std::to_string(kStateVersion));
+  const int64_t n = count.item<int64_t>();
+  if (n != static_cast<int64_t>(params_.size()))
+    throw Error(name + ": the optimizer state holds " + std::to_string(n) + " parameter tensors but this trainer optimizes " +
+                std::to_string(params_.size()) + " (saved from another model, or with another parameter list such as LoRA's?)");
+  for (int64_t i = 0; i < n; ++i) {
+    torch::Tensor shape;
+    archive.read("troupe/shape/" + std::to_string(i), shape);
+    auto saved = shape.to(torch::kCPU).contiguous();
+    std::vector<int64_t> dims(saved.data_ptr<int64_t>(), saved.data_ptr<int64_t>() + saved.numel());
+    if (torch::IntArrayRef(dims) != params_[i].sizes())
+      throw Error(name + ": parameter " + std::to_string(i) + " was " + shape_string(dims) + " when saved but is " +
+                  shape_string(params_[i].sizes()) + " here (saved from another model?)");
+  }
+  torch::serialize::InputArchive opt;
+  archive.read("optimizer", opt);
+  optimizer_->load(opt);
+  // The file's hyperparameters came along with the state; the config's are the ones in force.
+  const auto& o = config_.optimizer;
+  for (auto& group : optimizer_->param_groups())
+    static_cast<torch::optim::AdamWOptions&>(group.options())
+        .lr(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
+  version_ = version.item<int64_t>();
 }
 
 }  // namespace troupe

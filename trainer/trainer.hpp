@@ -1,17 +1,22 @@
-// One training group's model and optimizer: GRPO steps on rollout groups and supervised steps
-// on (prompt, completion) pairs, with AdamW, warmup + cosine decay, clipping and accumulation.
-// The policy version counts optimizer steps.
+// One training group's model and optimizer: GRPO steps on rollout groups, SFT steps on packed
+// or padded batches, DPO steps on preference pairs, with AdamW, warmup + cosine decay,
+// clipping, accumulation and optional activation checkpointing; optimizer state to and from
+// disk. The policy version counts optimizer steps.
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "policy/transformer.hpp"
+#include "trainer/dpo.hpp"
 #include "trainer/grpo.hpp"
 #include "trainer/rollout.hpp"
+#include "trainer/sft.hpp"
 
 namespace torch::optim { class AdamW; }
 
@@ -35,12 +40,34 @@ struct TrainerConfig {
   int64_t num_iterations = 1;               // optimizer passes over each batch
   int64_t micro_batch = 0;                  // sequences per forward/backward; 0 = all at once
   int64_t logprob_chunk = 128;              // sequence positions per LM-head chunk
+  dpo::LossConfig dpo;                      // dpo_step's beta and label smoothing
+  // Keep only each decoder layer's input in the forward pass and recompute the layer in the
+  // backward pass: activations kept drop to one [B, T, hidden] per layer plus one layer's
+  // internals at a time, for about one more forward pass of compute. Training passes only.
+  bool activation_checkpointing = false;
+  int64_t dpo_micro_pairs = 0;              // pairs per forward/backward in dpo_step; 0 = all at once
 };
 
 struct StepMetrics {
   double loss = 0, kl = 0, clip_fraction = 0, behaviour_weight = 0, grad_norm = 0, lr = 0;
   double reward_mean = 0;
   int64_t tokens = 0, sequences = 0;
+};
+
+struct SftMetrics {
+  double loss = 0;       // mean token cross-entropy over the trained tokens of the whole step
+  double grad_norm = 0, lr = 0;
+  int64_t tokens = 0;    // trained tokens
+  int64_t sequences = 0, rows = 0;
+};
+
+// TRL's DPO metrics (see dpo::LossOutput), means over the step's pairs.
+struct DpoMetrics {
+  double loss = 0;
+  double reward_chosen = 0, reward_rejected = 0, accuracy = 0, margin = 0;
+  double logps_chosen = 0, logps_rejected = 0;
+  double grad_norm = 0, lr = 0;
+  int64_t pairs = 0;
 };
 
 // A supervised example: the loss covers the completion tokens only.
@@ -57,23 +84,53 @@ std::vector<std::vector<float>> completion_logprobs(TransformerImpl& model, cons
 class Trainer {
  public:
   Trainer(Transformer model, TrainerConfig config);
+  // Optimizes only `params` (LoRA passes its adapters): every other parameter of the model is
+  // frozen (requires_grad off), so no gradient is computed or kept for it.
+  Trainer(Transformer model, TrainerConfig config, std::vector<torch::Tensor> params);
   ~Trainer();
 
   // num_iterations optimizer steps on these groups; the version advances by that many.
   StepMetrics grpo_step(const std::vector<RolloutGroup>& groups);
   // One optimizer step of mean token cross-entropy on the completions; returns the loss.
   double sft_step(const std::vector<SftExample>& examples);
+  // One optimizer step on these micro-batches (sft::micro_batches), packed or not: the mean
+  // token cross-entropy over the trained tokens of all of them together. Each micro-batch's
+  // summed loss is divided by the step's total token count, so the accumulated gradient is
+  // the whole batch's.
+  SftMetrics sft_step(std::span<const sft::Batch> micro_batches);
+  // The same loss on held-out batches, without gradients and without a step.
+  double sft_eval(std::span<const sft::Batch> batches);
+
+  // One optimizer step of the DPO loss (config.dpo) on these pairs, whose reference log-probs
+  // must be filled in (dpo::compute_reference); dpo_micro_pairs pairs per forward/backward.
+  DpoMetrics dpo_step(std::span<const dpo::Pair> pairs);
+  // The loss and metrics on held-out pairs, without gradients and without a step.
+  DpoMetrics dpo_eval(std::span<const dpo::Pair> pairs);
+
+  // The AdamW state (moments and step counts of the optimized parameters) and the version,
+  // with torch::serialize. The weights are not in it: they are saved as a model checkpoint.
+  // load_state throws Error naming the file when it is not such a file or was saved for
+  // another parameter list (count or shapes); the config's hyperparameters stay in force.
+  void save_state(const std::filesystem::path& file) const;
+  void load_state(const std::filesystem::path& file);
 
   int64_t version() const { return version_; }
   Transformer& model() { return model_; }
+  const std::vector<torch::Tensor>& parameters() const { return params_; }  // those the optimizer updates
   double lr_at(int64_t step) const;
+
+  struct Trunk;  // the model's layers, reached from outside for activation checkpointing
 
  private:
   double finish_step();  // clip, step, schedule; returns the gradient norm
+  torch::Tensor target_logprobs(const sft::Batch& batch);  // (B, T-1) log pi(ids[t+1])
+  DpoMetrics dpo_pass(std::span<const dpo::Pair> pairs, bool train);
 
   Transformer model_;
   TrainerConfig config_;
+  std::vector<torch::Tensor> params_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<Trunk> trunk_;  // set when activation_checkpointing
   int64_t version_ = 0;
 };
 

@@ -1,0 +1,256 @@
+// Preference pairs, reference log-probs with their on-disk cache, and the sigmoid DPO loss.
+// The policy's forward pass and the optimizer step live in trainer.cpp.
+#include "trainer/dpo.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "kernels/logprobs.hpp"
+#include "policy/error.hpp"
+#include "policy/transformer.hpp"
+
+namespace troupe::dpo {
+namespace {
+
+constexpr const char* kCacheFormat = "troupe-dpo-reference";
+constexpr int kCacheVersion = 1;
+
+std::string string_field(const nlohmann::json& j, const std::string& field, const std::string& where) {
+  auto it = j.find(field);
+  if (it == j.end()) throw Error(where + ": no field '" + field + "' (set the field names to the dataset's)");
+  if (!it->is_string()) throw Error(where + ": field '" + field + "' is " + it->type_name() + ", expected a string");
+  return it->get<std::string>();
+}
+
+// FNV-1a over every pair's ids and masks: the cache's key to the data it was computed on.
+std::string fingerprint(std::span<const Pair> pairs) {
+  uint64_t h = 14695981039346656037ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  for (const auto& p : pairs)
+    for (const auto* s : {&p.chosen, &p.rejected}) {
+      mix(s->ids.size());
+      for (size_t i = 0; i < s->ids.size(); ++i) mix((static_cast<uint64_t>(s->ids[i]) << 1) | s->loss_mask[i]);
+    }
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+bool read_cache(const std::filesystem::path& file, std::span<Pair> pairs, const ReferenceOptions& o) {
+  std::ifstream in(file);
+  if (!in) return false;
+  const std::string name = file.string();
+  auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || j.value("format", "") != kCacheFormat)
+    throw Error(name + ": not a troupe DPO reference cache (delete it, or point the cache elsewhere)");
+  if (j.value("version", 0) != kCacheVersion)
+    throw Error(name + ": reference cache version " + j.value("version", nlohmann::json()).dump() + ", expected " +
+                std::to_string(kCacheVersion) + " (delete it to recompute)");
+  const auto fp = fingerprint(pairs);
+  const std::string cached_fp = j.value("fingerprint", ""), cached_model = j.value("model_id", "");
+  const size_t cached_pairs = j.value("pairs", size_t{0});
+  if (cached_pairs != pairs.size() || cached_fp != fp || cached_model != o.model_id)
+    throw Error(name + ": the reference cache was computed for " + std::to_string(cached_pairs) +
+                " pairs (fingerprint " + cached_fp + ", model '" + cached_model + "'), but these are " +
+                std::to_string(pairs.size()) + " pairs (fingerprint " + fp + ", model '" + o.model_id +
+                "'); delete the file to recompute, or use another cache path");
+  const auto& chosen = j.at("chosen");
+  const auto& rejected = j.at("rejected");
+  if (!chosen.is_array() || !rejected.is_array() || chosen.size() != pairs.size() || rejected.size() != pairs.size())
+    throw Error(name + ": the reference cache's chosen/rejected lists do not hold one value per pair");
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    pairs[i].ref_chosen = chosen[i].get<double>();
+    pairs[i].ref_rejected = rejected[i].get<double>();
+  }
+  return true;
+}
+
+void write_cache(const std::filesystem::path& file, std::span<const Pair> pairs, const ReferenceOptions& o) {
+  nlohmann::json j{{"format", kCacheFormat}, {"version", kCacheVersion}, {"pairs", pairs.size()},
+                   {"fingerprint", fingerprint(pairs)}, {"model_id", o.model_id}};
+  auto& chosen = j["chosen"] = nlohmann::json::array();
+  auto& rejected = j["rejected"] = nlohmann::json::array();
+  for (const auto& p : pairs) {
+    chosen.push_back(p.ref_chosen);
+    rejected.push_back(p.ref_rejected);
+  }
+  if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path());
+  // Written beside and renamed, so an interrupted run never leaves half a cache.
+  auto tmp = file;
+  tmp += ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << j.dump() << "\n";
+    if (!out) throw Error(tmp.string() + ": cannot write the reference cache");
+  }
+  std::filesystem::rename(tmp, file);
+}
+
+}  // namespace
+
+std::vector<Pair> read_jsonl(const std::filesystem::path& path, const Tokenizer& tokenizer, const DataOptions& o,
+                             sft::ReadReport* report_out) {
+  const std::string file = path.string();
+  std::optional<ChatTemplate> chat;
+  std::optional<int32_t> eos;
+  if (o.chat) {
+    if (o.chat_template) {
+      chat = o.chat_template;
+    } else {
+      if (!tokenizer.chat_template())
+        throw Error(file + ": chat rendering was asked for but the tokenizer has no chat template (turn chat off)");
+      chat = ChatTemplate::detect(*tokenizer.chat_template(), "the tokenizer's chat template");
+    }
+  } else if (o.append_eos) {
+    eos = tokenizer.eos_id();
+    if (!eos) throw Error(file + ": append_eos is set but the tokenizer has no eos token (turn append_eos off)");
+  }
+
+  std::ifstream in(path);
+  if (!in) throw Error(file + ": cannot open the preference data file");
+  sft::ReadReport report;
+  std::vector<Pair> out;
+  std::string line;
+  int64_t records = 0;
+  for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
+    if (o.limit > 0 && records >= o.limit) break;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    ++records;
+    const std::string where = file + ":" + std::to_string(line_no);
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) throw Error(where + ": not valid JSON");
+    if (!j.is_object()) throw Error(where + ": expected a JSON object, got " + std::string(j.type_name()));
+    const std::string prompt = string_field(j, o.prompt_field, where);
+    const std::string chosen = string_field(j, o.chosen_field, where);
+    const std::string rejected = string_field(j, o.rejected_field, where);
+
+    auto encode = [&](const std::string& response) {
+      if (!chat) return sft::encode_plain(prompt, response, tokenizer, eos);
+      std::vector<ChatMessage> messages;
+      if (!o.system.empty()) messages.push_back({"system", o.system});
+      messages.push_back({"user", prompt});
+      messages.push_back({"assistant", response});
+      try {
+        return sft::encode_chat(messages, *chat, tokenizer);
+      } catch (const Error& e) {
+        throw Error(where + ": " + e.what());
+      }
+    };
+    Pair p{encode(chosen), encode(rejected)};
+    p.line = p.chosen.line = p.rejected.line = line_no;
+    for (auto [s, field] : {std::pair{&p.chosen, &o.chosen_field}, std::pair{&p.rejected, &o.rejected_field}})
+      if (s->trained_tokens() == 0) throw Error(where + ": field '" + *field + "' is empty (no tokens to score)");
+
+    const int64_t longest = std::max(p.chosen.size(), p.rejected.size());
+    if (o.max_length > 0 && longest > o.max_length) {
+      if (o.overlong == sft::Overlong::error)
+        throw Error(where + ": prompt + response is " + std::to_string(longest) + " tokens, above max_length " +
+                    std::to_string(o.max_length) + " (raise max_length, or set overlong to truncate or drop)");
+      if (o.overlong == sft::Overlong::drop) {
+        ++report.dropped;
+        continue;
+      }
+      for (auto* s : {&p.chosen, &p.rejected})
+        if (s->size() > o.max_length) {
+          s->ids.resize(o.max_length);
+          s->loss_mask.resize(o.max_length);
+        }
+      if (p.chosen.trained_tokens() == 0 || p.rejected.trained_tokens() == 0) {
+        ++report.dropped;  // the prompt alone fills max_length
+        continue;
+      }
+      ++report.truncated;
+    }
+    out.push_back(std::move(p));
+  }
+  if (in.bad()) throw Error(file + ": read error");
+  if (out.empty())
+    throw Error(file + (records == 0 ? ": no preference pairs (the file is empty or has only blank lines)"
+                                     : ": no pairs left after max_length (raise max_length)"));
+  if (report_out) *report_out = report;
+  return out;
+}
+
+std::vector<double> sequence_logprobs(TransformerImpl& model, std::span<const sft::Sequence> sequences,
+                                      int64_t batch_size, int64_t chunk) {
+  torch::NoGradGuard no_grad;
+  const auto device = model.lm_head_weight().device();
+  const int64_t N = sequences.size(), per = std::max<int64_t>(batch_size, 1);
+  std::vector<double> out;
+  out.reserve(N);
+  for (int64_t s = 0; s < N; s += per) {
+    auto batch = sft::collate(sequences.subspan(s, std::min(per, N - s)));
+    const int64_t T = batch.ids.size(1);
+    if (T < 2) {  // a single token has no target
+      out.insert(out.end(), batch.ids.size(0), 0.0);
+      continue;
+    }
+    auto ids = batch.ids.to(device);
+    auto positions = batch.positions.to(device);
+    auto hidden = model.forward(ids, positions, attention_mask(batch.token_mask.to(device), positions));  // (B, T, H)
+    auto logp = kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), ids.narrow(1, 1, T - 1),
+                                        1.0, chunk);                                                       // (B, T-1)
+    auto sums = (logp.to(torch::kFloat64) * batch.loss_mask.to(device, torch::kFloat64)).sum(1).cpu();
+    auto a = sums.accessor<double, 1>();
+    for (int64_t i = 0; i < a.size(0); ++i) out.push_back(a[i]);
+  }
+  return out;
+}
+
+void compute_reference(TransformerImpl& reference, std::span<Pair> pairs, const ReferenceOptions& o) {
+  if (!o.cache.empty() && read_cache(o.cache, pairs, o)) return;
+  const bool was_training = reference.is_training();
+  reference.eval();
+  // Chosen and rejected of the same pairs side by side in one forward pass, as TRL's
+  // concatenated_forward does.
+  std::vector<sft::Sequence> seqs;
+  seqs.reserve(2 * pairs.size());
+  for (const auto& p : pairs) seqs.push_back(p.chosen);
+  for (const auto& p : pairs) seqs.push_back(p.rejected);
+  auto sums = sequence_logprobs(reference, seqs, 2 * o.batch_pairs, o.chunk);
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    pairs[i].ref_chosen = sums[i];
+    pairs[i].ref_rejected = sums[pairs.size() + i];
+  }
+  reference.train(was_training);
+  if (!o.cache.empty()) write_cache(o.cache, pairs, o);
+}
+
+LossOutput loss(const LossInputs& in, const LossConfig& c) {
+  TORCH_CHECK(in.chosen.dim() == 1 && in.rejected.sizes() == in.chosen.sizes() &&
+                  in.ref_chosen.sizes() == in.chosen.sizes() && in.ref_rejected.sizes() == in.chosen.sizes(),
+              "dpo loss: chosen ", in.chosen.sizes(), ", rejected ", in.rejected.sizes(), ", ref_chosen ",
+              in.ref_chosen.sizes(), " and ref_rejected ", in.ref_rejected.sizes(), " must all be [B]");
+  TORCH_CHECK(c.label_smoothing >= 0 && c.label_smoothing < 0.5, "dpo loss: label_smoothing must be in [0, 0.5), got ",
+              c.label_smoothing);
+  const auto ref_c = in.ref_chosen.to(in.chosen.dtype()).detach();
+  const auto ref_r = in.ref_rejected.to(in.chosen.dtype()).detach();
+  const auto chosen_ratio = in.chosen - ref_c;        // (B) log pi/pi_ref of the chosen response
+  const auto rejected_ratio = in.rejected - ref_r;    // (B)
+  const auto h = chosen_ratio - rejected_ratio;       // (B)
+  const double ls = c.label_smoothing;
+  auto losses = -(1 - ls) * torch::log_sigmoid(c.beta * h) - ls * torch::log_sigmoid(-c.beta * h);
+
+  LossOutput out;
+  out.loss = losses.mean();
+  const auto reward_c = (c.beta * chosen_ratio).detach().to(torch::kFloat64);
+  const auto reward_r = (c.beta * rejected_ratio).detach().to(torch::kFloat64);
+  out.reward_chosen = reward_c.mean().item<double>();
+  out.reward_rejected = reward_r.mean().item<double>();
+  out.accuracy = (reward_c > reward_r).to(torch::kFloat64).mean().item<double>();
+  out.margin = (reward_c - reward_r).mean().item<double>();
+  out.logps_chosen = in.chosen.detach().to(torch::kFloat64).mean().item<double>();
+  out.logps_rejected = in.rejected.detach().to(torch::kFloat64).mean().item<double>();
+  return out;
+}
+
+}  // namespace troupe::dpo
