@@ -13,6 +13,7 @@
 #include "generator/engine.hpp"
 #include "policy/checkpoint.hpp"
 #include "policy/error.hpp"
+#include "policy/lora.hpp"
 #include "trainer/trainer.hpp"
 #include "tests/test_util.hpp"
 
@@ -88,6 +89,7 @@ std::map<std::string, torch::Tensor> step_gradients(Trainer& trainer, std::span<
                                                     SftMetrics* metrics = nullptr, std::map<std::string, int>* calls = nullptr) {
   std::map<std::string, torch::Tensor> captured;
   for (auto& [name, p] : trainer.model()->named_parameters().pairs()) {
+    if (!p.requires_grad()) continue;  // frozen
     p.register_hook([out = &captured, key = name, last, calls](torch::Tensor g) {
       if (calls) ++(*calls)[key];
       auto& slot = (*out)[key];
@@ -330,6 +332,27 @@ TEST_CASE("activation checkpointing: the same loss and gradients, also through a
     return state_dict(*trainer.model());
   };
   CHECK(max_diff(grpo_weights(false), grpo_weights(true)) <= 1e-6);
+}
+
+TEST_CASE("activation checkpointing with LoRA adapters under dropout: the same gradients, first layer included") {
+  auto seqs = random_sequences(12, 7);
+  auto batches = sft::micro_batches(seqs, {.packing = true, .max_length = 40});
+  auto grads = [&](bool checkpointing) {
+    auto m = fixture_model("llama3");
+    attach_lora(*m.model, {.rank = 4, .dropout = 0.3, .target_modules = {"q_proj", "v_proj", "down_proj"}}, 11);
+    Trainer trainer(m.model, {.optimizer = {.lr = 0.0, .max_grad_norm = 0}, .activation_checkpointing = checkpointing},
+                    lora_parameters(*m.model));
+    torch::manual_seed(5);  // the dropout masks' stream
+    return step_gradients(trainer, batches, /*last=*/true);
+  };
+  auto plain = grads(false), checkpointed = grads(true);
+  REQUIRE(plain.count("model.layers.0.self_attn.q_proj.lora_B.weight"));
+  CHECK(plain.size() == checkpointed.size());
+  // B starts at zero, so its gradient sees the dropout masks; the embedding is frozen, so the
+  // first layer's input carries no gradient and only the node's parameter inputs reach B.
+  CHECK(plain.at("model.layers.0.self_attn.q_proj.lora_B.weight").abs().max().item<double>() > 0);
+  MESSAGE("LoRA (dropout 0.3): max |grad diff| with checkpointing " << max_diff(plain, checkpointed));
+  CHECK(max_diff(plain, checkpointed) <= 1e-6);
 }
 
 TEST_CASE("bfloat16 models train through the same path, with checkpointing too") {
