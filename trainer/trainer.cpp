@@ -398,8 +398,19 @@ SftMetrics Trainer::sft_step(std::span<const sft::Batch> micro_batches) {
   return m;
 }
 
+namespace {
+// Evaluation mode (no LoRA dropout) for a scope, then back to what the module was in.
+struct EvalMode {
+  explicit EvalMode(torch::nn::Module& m) : module(m), was_training(m.is_training()) { m.eval(); }
+  ~EvalMode() { module.train(was_training); }
+  torch::nn::Module& module;
+  bool was_training;
+};
+}  // namespace
+
 double Trainer::sft_eval(std::span<const sft::Batch> batches) {
   torch::NoGradGuard no_grad;
+  EvalMode eval(*model_);
   const auto device = model_->lm_head_weight().device();
   double nll_sum = 0;
   int64_t tokens = 0;
@@ -462,6 +473,7 @@ DpoMetrics Trainer::dpo_step(std::span<const dpo::Pair> pairs) {
 
 DpoMetrics Trainer::dpo_eval(std::span<const dpo::Pair> pairs) {
   torch::NoGradGuard no_grad;
+  EvalMode eval(*model_);
   return dpo_pass(pairs, /*train=*/false);
 }
 

@@ -98,13 +98,13 @@ class Trainer {
   // summed loss is divided by the step's total token count, so the accumulated gradient is
   // the whole batch's.
   SftMetrics sft_step(std::span<const sft::Batch> micro_batches);
-  // The same loss on held-out batches, without gradients and without a step.
+  // The same loss on held-out batches, in eval mode (no dropout), without gradients or a step.
   double sft_eval(std::span<const sft::Batch> batches);
 
   // One optimizer step of the DPO loss (config.dpo) on these pairs, whose reference log-probs
   // must be filled in (dpo::compute_reference); dpo_micro_pairs pairs per forward/backward.
   DpoMetrics dpo_step(std::span<const dpo::Pair> pairs);
-  // The loss and metrics on held-out pairs, without gradients and without a step.
+  // The loss and metrics on held-out pairs, in eval mode, without gradients or a step.
   DpoMetrics dpo_eval(std::span<const dpo::Pair> pairs);
 
   // The AdamW state (moments and step counts of the optimized parameters) and the version,

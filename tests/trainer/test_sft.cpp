@@ -347,6 +347,17 @@ TEST_CASE("activation checkpointing with LoRA adapters under dropout: the same g
   };
   auto plain = grads(false), checkpointed = grads(true);
   REQUIRE(plain.count("model.layers.0.self_attn.q_proj.lora_B.weight"));
+  {
+    // Evaluation runs without dropout: the same loss whatever the random state.
+    auto m = fixture_model("llama3");
+    attach_lora(*m.model, {.rank = 4, .dropout = 0.3}, 11);
+    Trainer trainer(m.model, {}, lora_parameters(*m.model));
+    torch::manual_seed(1);
+    const double a = trainer.sft_eval(batches);
+    torch::manual_seed(2);
+    CHECK(trainer.sft_eval(batches) == a);
+    CHECK(m.model->is_training());
+  }
   CHECK(plain.size() == checkpointed.size());
   // B starts at zero, so its gradient sees the dropout masks; the embedding is frozen, so the
   // first layer's input carries no gradient and only the node's parameter inputs reach B.
