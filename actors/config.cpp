@@ -354,7 +354,14 @@ void parse_model(Map m, ModelSection& c) {
 }
 
 void parse_dataset(Map m, DatasetSection& c) {
-  m.allow({"path", "prompt", "answer", "system", "chat_template", "limit"});
+  m.allow({"path", "prompt", "answer", "system", "chat_template", "limit", "response", "messages", "chosen", "rejected"});
+  m.get("response", c.response);
+  m.get("messages", c.messages);
+  m.check(!c.messages.empty(), "messages", "must name the JSONL field holding the chat messages");
+  m.get("chosen", c.chosen);
+  m.check(!c.chosen.empty(), "chosen", "must name the JSONL field holding the preferred response");
+  m.get("rejected", c.rejected);
+  m.check(!c.rejected.empty(), "rejected", "must name the JSONL field holding the rejected response");
   m.require("path", c.path, "a JSONL file of prompts");
   m.check(!c.path.empty(), "path", "must not be empty");
   m.get("prompt", c.prompt);
@@ -474,8 +481,10 @@ void parse_rewards(const Source& s, Map& top, std::vector<RewardSection>& out) {
   }
 }
 
-void parse_loss(const Source& s, Map m, LossSection& c) {
-  m.allow({"kind", "aggregation", "clip", "epsilon", "epsilon_high", "beta", "behaviour_cap"});
+void parse_loss(const Source& s, Map m, LossSection& c, Recipe recipe) {
+  m.allow({"kind", "aggregation", "clip", "epsilon", "epsilon_high", "beta", "behaviour_cap", "label_smoothing"});
+  m.get("label_smoothing", c.label_smoothing);
+  m.check(c.label_smoothing >= 0 && c.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)" + got(c.label_smoothing));
   m.get_enum("kind", c.kind, kLossKindNames);
   m.get_enum("aggregation", c.aggregation, kLossAggregationNames);
   YAML::Node clip = m.node("clip");
@@ -497,6 +506,16 @@ void parse_loss(const Source& s, Map m, LossSection& c) {
   m.check(c.beta >= 0, "beta", "must be >= 0 (0: no KL, no reference)" + got(c.beta));
   m.get("behaviour_cap", c.behaviour_cap);
   m.check(c.behaviour_cap >= 1, "behaviour_cap", "must be >= 1 (a cap below 1 would down-weight on-policy tokens)" + got(c.behaviour_cap));
+  // dpo: the loss is DPO's and beta its strength (TRL's default 0.1); the reference is the
+  // frozen starting model unless reference.path names another.
+  if (recipe == Recipe::dpo) {
+    m.check(!m.has("kind") || c.kind == LossKind::dpo, "kind", "recipe dpo takes kind: dpo");
+    c.kind = LossKind::dpo;
+    if (!m.has("beta")) c.beta = 0.1;
+    m.check(c.beta > 0, "beta", "must be > 0 for dpo" + got(c.beta));
+  } else {
+    m.check(c.kind != LossKind::dpo, "kind", "kind: dpo needs recipe: dpo");
+  }
 }
 
 // Returns whether sft_warmup gave its own lr.
@@ -515,8 +534,16 @@ bool parse_sft_warmup(Map m, SftWarmupSection& c) {
   return has_lr;
 }
 
-void parse_trainer(const Source& s, Map m, TrainerSection& c) {
-  m.allow({"batch_groups", "steps", "lr", "weight_decay", "warmup_steps", "min_lr_ratio", "max_grad_norm", "micro_batch", "num_iterations", "logprob_chunk", "scale_rewards", "mask_truncated_completions", "loss", "sft_warmup", "threads"});
+void parse_trainer(const Source& s, Map m, TrainerSection& c, Recipe recipe) {
+  m.allow({"batch_groups", "steps", "lr", "weight_decay", "warmup_steps", "min_lr_ratio", "max_grad_norm", "micro_batch", "num_iterations", "logprob_chunk", "scale_rewards", "mask_truncated_completions", "loss", "sft_warmup", "threads", "batch_size", "max_length", "packing", "activation_checkpointing", "eval_every"});
+  m.get("batch_size", c.batch_size);
+  m.check(c.batch_size >= 1, "batch_size", "must be >= 1" + got(c.batch_size));
+  m.get("max_length", c.max_length);
+  m.check(c.max_length >= 2, "max_length", "must be >= 2" + got(c.max_length));
+  m.get("packing", c.packing);
+  m.get("activation_checkpointing", c.activation_checkpointing);
+  m.get("eval_every", c.eval_every);
+  m.check(c.eval_every >= 0, "eval_every", "must be >= 0 (0: only at the end)" + got(c.eval_every));
   m.get("threads", c.threads);
   m.check(c.threads >= 0, "threads", "must be >= 0 (0: LibTorch's default)" + got(c.threads));
   m.get("batch_groups", c.batch_groups);
@@ -542,7 +569,7 @@ void parse_trainer(const Source& s, Map m, TrainerSection& c) {
   m.check(c.logprob_chunk >= 1, "logprob_chunk", "must be >= 1" + got(c.logprob_chunk));
   m.get_enum("scale_rewards", c.scale_rewards, kRewardScalingNames);
   m.get("mask_truncated_completions", c.mask_truncated_completions);
-  parse_loss(s, m.map("loss"), c.loss);
+  parse_loss(s, m.map("loss"), c.loss, recipe);
   if (m.has("sft_warmup") && !m.node("sft_warmup").IsNull()) {
     c.sft_warmup.emplace();
     if (!parse_sft_warmup(m.map("sft_warmup"), *c.sft_warmup)) c.sft_warmup->lr = c.lr;
@@ -575,18 +602,37 @@ void parse_run(Map m, RunSection& c, const std::string& stem) {
   m.get("deterministic", c.deterministic);
 }
 
+void parse_lora(Map m, LoraSection& c) {
+  m.allow({"rank", "alpha", "dropout", "target_modules"});
+  m.get("rank", c.rank);
+  m.check(c.rank >= 1, "rank", "must be >= 1" + got(c.rank));
+  m.get("alpha", c.alpha);
+  m.check(c.alpha > 0, "alpha", "must be > 0" + got(c.alpha));
+  m.get("dropout", c.dropout);
+  m.check(c.dropout >= 0 && c.dropout < 1, "dropout", "must be in [0, 1)" + got(c.dropout));
+  m.get("target_modules", c.target_modules);
+  m.check(!c.target_modules.empty(), "target_modules", "must name at least one projection (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)");
+  for (const auto& t : c.target_modules)
+    m.check(t == "q_proj" || t == "k_proj" || t == "v_proj" || t == "o_proj" || t == "gate_proj" || t == "up_proj" || t == "down_proj",
+            "target_modules", "unknown projection " + quote(t) + " (one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)");
+}
+
 RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string& stem) {
   if (!root.IsDefined() || root.IsNull())
     throw Error(s.file + ": empty config (expected recipe, model, data, generator, rewards, trainer, async, run)");
   Map top(s, "", root, root.Mark());
-  top.allow({"recipe", "model", "data", "generator", "rewards", "reference", "trainer", "async", "run"});
+  top.allow({"recipe", "model", "lora", "data", "generator", "rewards", "reference", "trainer", "async", "run"});
   RunConfig c;
   top.require("recipe", c.recipe, "one of " + join(kRecipeNames));
   parse_model(top.map("model"), c.model);
+  if ((top.has("lora") && !top.node("lora").IsNull()) || c.recipe == Recipe::lora) {
+    c.lora.emplace();
+    parse_lora(top.map("lora"), *c.lora);
+  }
   bool data_seeded = parse_data(top.map("data"), c.data);
   parse_generator(top.map("generator"), c.generator);
   parse_rewards(s, top, c.rewards);
-  parse_trainer(s, top.map("trainer"), c.trainer);
+  parse_trainer(s, top.map("trainer"), c.trainer, c.recipe);
   parse_async(top.map("async"), c.async);
   parse_run(top.map("run"), c.run, stem);
 
@@ -700,6 +746,10 @@ void write_dataset(Writer& w, int ind, const DatasetSection& d) {
   if (d.system) w.line(ind, "system", quote(*d.system));
   w.line(ind, "chat_template", b(d.chat_template));
   w.line(ind, "limit", fmt(d.limit));
+  w.line(ind, "response", quote(d.response));
+  w.line(ind, "messages", quote(d.messages));
+  w.line(ind, "chosen", quote(d.chosen));
+  w.line(ind, "rejected", quote(d.rejected));
 }
 
 }  // namespace
@@ -779,6 +829,13 @@ std::string to_yaml(const RunConfig& c) {
   w.line(2, "path", quote(c.model.path));
   w.line(2, "dtype", name_of(c.model.dtype));
   w.line(2, "device", quote(c.model.device));
+  if (c.lora) {
+    w.line(0, "lora", "");
+    w.line(2, "rank", fmt(c.lora->rank));
+    w.line(2, "alpha", fmt(c.lora->alpha));
+    w.line(2, "dropout", fmt(c.lora->dropout));
+    w.line(2, "target_modules", flow(c.lora->target_modules));
+  }
   w.line(0, "data", "");
   w.line(2, "train", "");
   write_dataset(w, 4, c.data.train);
@@ -838,12 +895,18 @@ std::string to_yaml(const RunConfig& c) {
   w.line(2, "scale_rewards", name_of(t.scale_rewards));
   w.line(2, "mask_truncated_completions", b(t.mask_truncated_completions));
   w.line(2, "threads", fmt(t.threads));
+  w.line(2, "batch_size", fmt(t.batch_size));
+  w.line(2, "max_length", fmt(t.max_length));
+  w.line(2, "packing", b(t.packing));
+  w.line(2, "activation_checkpointing", b(t.activation_checkpointing));
+  w.line(2, "eval_every", fmt(t.eval_every));
   w.line(2, "loss", "");
   w.line(4, "kind", name_of(t.loss.kind));
   w.line(4, "aggregation", name_of(t.loss.aggregation));
   w.line(4, "clip", "[" + fmt(t.loss.epsilon) + ", " + fmt(t.loss.epsilon_high) + "]");
   w.line(4, "beta", fmt(t.loss.beta));
   w.line(4, "behaviour_cap", fmt(t.loss.behaviour_cap));
+  w.line(4, "label_smoothing", fmt(t.loss.label_smoothing));
   if (t.sft_warmup) {
     w.line(2, "sft_warmup", "");
     w.line(4, "path", quote(t.sft_warmup->path));

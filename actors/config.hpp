@@ -18,15 +18,14 @@ namespace troupe {
 
 struct RewardSpec;  // reward/registry.hpp; to_reward_specs() converts to it
 
-// Every recipe name is accepted so that configs can be written ahead of their code; today all
-// of them share the GRPO sections below. sft, lora, dpo and ppo get their own sections (and
-// `troupe run` support) with issue 5: until then only grpo runs.
+// grpo and ppo run the actor graph; sft, lora (sft with LoRA adapters) and dpo run the trainer
+// alone. Every recipe reads the same sections; each uses the keys it needs.
 enum class Recipe { grpo, sft, lora, dpo, ppo };
 enum class ModelDtype { float32, bfloat16 };
 enum class EngineKind { builtin, remote };
 enum class RewardScaling { group, batch, none };
 enum class LossAggregation { grpo, dr_grpo, dapo };
-enum class LossKind { grpo };  // ppo's clipped value loss comes with issue 5
+enum class LossKind { grpo, dpo };
 
 // Names as written in YAML, in enum order.
 inline constexpr std::array<std::string_view, 5> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo"};
@@ -34,7 +33,7 @@ inline constexpr std::array<std::string_view, 2> kModelDtypeNames = {"float32", 
 inline constexpr std::array<std::string_view, 2> kEngineNames = {"builtin", "remote"};
 inline constexpr std::array<std::string_view, 3> kRewardScalingNames = {"group", "batch", "none"};
 inline constexpr std::array<std::string_view, 3> kLossAggregationNames = {"grpo", "dr_grpo", "dapo"};
-inline constexpr std::array<std::string_view, 1> kLossKindNames = {"grpo"};
+inline constexpr std::array<std::string_view, 2> kLossKindNames = {"grpo", "dpo"};
 // The reward kinds the config accepts; a test checks they cover reward/'s built-ins.
 inline constexpr std::array<std::string_view, 4> kRewardKindNames = {"math_answer", "format", "plugin", "http"};
 
@@ -58,6 +57,11 @@ struct DatasetSection {
   std::string answer = "answer";      // field holding the reference answer (the rewards see the whole record
                                       // as metadata); every record must have it; "" for none
   std::optional<std::string> system;  // a system message before each prompt (chat_template only)
+  std::string response;               // sft: the field holding the target response; "" reads chat
+                                      // records from `messages` instead
+  std::string messages = "messages";  // sft: the field holding [{role, content}, ...]
+  std::string chosen = "chosen";      // dpo: the preferred response's field
+  std::string rejected = "rejected";  // dpo: the other response's field
   bool chat_template = true;          // wrap the prompt as a user turn with the model's chat template
   int64_t limit = 0;                  // read only the first N records; 0: all
   bool operator==(const DatasetSection&) const = default;
@@ -117,6 +121,7 @@ struct LossSection {
   double epsilon_high = 0.28;   // upper clip, ratio <= 1 + epsilon_high (DAPO's clip-higher)
   double beta = 0.0;            // weight of the k3 KL to the reference; 0 spawns no reference
   double behaviour_cap = 5.0;   // truncation of pi_prox / mu (decoupled PPO's behaviour weight)
+  double label_smoothing = 0.0; // dpo: the chance a preference label is wrong (cDPO), in [0, 0.5)
   bool operator==(const LossSection&) const = default;
 };
 
@@ -145,6 +150,12 @@ struct TrainerSection {
   bool mask_truncated_completions = false;           // completions cut at max_tokens contribute no loss
   LossSection loss;
   std::optional<SftWarmupSection> sft_warmup;
+  // sft, lora and dpo:
+  int64_t batch_size = 8;        // sequences (sft) or preference pairs (dpo) per optimizer step
+  int64_t max_length = 1024;     // tokens per example, and per packed row
+  bool packing = true;           // sft: several examples per row, no attention across them
+  bool activation_checkpointing = false;  // recompute each layer in backward: less memory, ~1 more forward
+  int64_t eval_every = 0;        // steps between held-out evaluations (data.eval); 0: only at the end
   int64_t threads = 0;           // CPU threads of the trainer's (and reference's) kernels; 0: LibTorch's default
   bool operator==(const TrainerSection&) const = default;
 };
@@ -174,9 +185,19 @@ struct ConfigOrigin {
   bool operator==(const ConfigOrigin&) const { return true; }
 };
 
+// LoRA adapters (PEFT's format) on the named projections; the base weights stay frozen.
+struct LoraSection {
+  int64_t rank = 8;              // r: higher adapts more, costs more memory
+  double alpha = 16.0;           // the adapter's output is scaled by alpha / rank
+  double dropout = 0.0;          // on the adapter's input, in training
+  std::vector<std::string> target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  bool operator==(const LoraSection&) const = default;
+};
+
 struct RunConfig {
   Recipe recipe = Recipe::grpo;
   ModelSection model;
+  std::optional<LoraSection> lora;     // present: train adapters only (required by recipe lora)
   DataSection data;
   GeneratorSection generator;
   std::vector<RewardSection> rewards;  // at least one for grpo and ppo

@@ -307,6 +307,12 @@ void save_checkpoint(const GraphSpec& spec, Trainer& trainer, int64_t step) {
   if (spec.run_dir.empty()) return;
   auto dir = spec.run_dir / "checkpoints" / ("step_" + std::to_string(step));
   LoadedModel m{spec.model_config, trainer.model(), std::nullopt, nullptr, spec.model_source};
+  if (spec.lora) {
+    // The exported model has the adapters folded in; the PEFT adapter goes next to it.
+    m.model = Transformer(spec.model_config);
+    load_weights(*m.model, merged_state_dict(*trainer.model()), "merged LoRA weights");
+    save_peft_adapter(*trainer.model(), *spec.lora, dir / "adapter", spec.model_source.string());
+  }
   save_hf_dir(m, dir);
   std::ofstream(dir / "trainer_state.json") << nlohmann::json{{"step", step}, {"policy_version", trainer.version()}}.dump(2)
                                             << "\n";
@@ -316,7 +322,13 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
                        std::shared_ptr<Outcome> outcome) {
   report_failures(self, outcome, "trainer");
   use_threads(spec->trainer_threads);
-  self->state.trainer = std::make_unique<Trainer>(spec->make_policy(), spec->trainer);
+  auto policy = spec->make_policy();
+  if (spec->lora) {
+    attach_lora(*policy, *spec->lora, spec->seed);
+    self->state.trainer = std::make_unique<Trainer>(policy, spec->trainer, lora_parameters(*policy));
+  } else {
+    self->state.trainer = std::make_unique<Trainer>(policy, spec->trainer);
+  }
   if (!spec->run_dir.empty()) {
     std::filesystem::create_directories(spec->run_dir);
     self->state.failures.open(spec->run_dir / "failures.jsonl", std::ios::app);
@@ -355,7 +367,7 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
       // Weights go out before the report: the controller forwards them to the generators
       // ahead of the prompts it releases in answer, so new prompts meet new weights.
       if (metrics && step % spec->sync_every == 0 && step < spec->steps)
-        self->send(controller, WeightsUpdate{st.trainer->version(), to_records(state_dict(*st.trainer->model()))});
+        self->send(controller, WeightsUpdate{st.trainer->version(), to_records(merged_state_dict(*st.trainer->model()))});
       if (step == spec->steps || (spec->checkpoint_every > 0 && step % spec->checkpoint_every == 0))
         save_checkpoint(*spec, *st.trainer, step);
       st.idle_since = Clock::now();

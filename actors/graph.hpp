@@ -17,6 +17,7 @@
 #include "actors/messages.hpp"
 #include "generator/engine.hpp"
 #include "generator/remote_engine.hpp"
+#include "policy/lora.hpp"
 #include "policy/tokenizer.hpp"
 #include "policy/transformer.hpp"
 #include "reward/registry.hpp"
@@ -33,6 +34,9 @@ struct GraphSpec {
   std::shared_ptr<const CombinedReward> reward;
 
   TrainerConfig trainer;
+  // LoRA: the trainer trains adapters only; generators receive the merged weights.
+  std::optional<LoraConfig> lora;
+  uint64_t seed = 0;  // the adapters' initialisation
   int64_t batch_groups = 8;  // rollout groups per optimizer step
   int64_t steps = 10;        // optimizer steps in the run
 

@@ -2,6 +2,8 @@
 // how a field behaves lives in the component that uses it (Engine, Trainer, rewards, prompts).
 #include "actors/run.hpp"
 
+#include "actors/recipe_run.hpp"
+
 #include <fstream>
 #include <iostream>
 #include <mutex>
@@ -16,24 +18,8 @@
 namespace troupe {
 namespace {
 
-torch::Dtype dtype_of(ModelDtype d) { return d == ModelDtype::bfloat16 ? torch::kBFloat16 : torch::kFloat32; }
-
-TrainerConfig trainer_config(const RunConfig& c) {
-  const auto& t = c.trainer;
-  TrainerConfig out;
-  out.optimizer = {.lr = t.lr, .weight_decay = t.weight_decay, .warmup_steps = t.warmup_steps,
-                   .total_steps = t.steps, .min_lr_ratio = t.min_lr_ratio, .max_grad_norm = t.max_grad_norm};
-  out.loss = {.epsilon = t.loss.epsilon, .epsilon_high = t.loss.epsilon_high, .beta = t.loss.beta,
-              .behaviour_cap = t.loss.behaviour_cap,
-              .aggregation = static_cast<grpo::Aggregation>(static_cast<int>(t.loss.aggregation)),
-              .max_completion_length = c.generator.max_tokens};
-  out.scale_rewards = static_cast<grpo::ScaleRewards>(static_cast<int>(t.scale_rewards));
-  out.mask_truncated_completions = t.mask_truncated_completions;
-  out.num_iterations = t.num_iterations;
-  out.micro_batch = t.micro_batch;
-  out.logprob_chunk = t.logprob_chunk;
-  return out;
-}
+using recipe::dtype_of;
+using recipe::trainer_config;
 
 PromptSourceOptions prompt_options(const DatasetSection& d, const Tokenizer& tokenizer, const DataSection& data,
                                    const std::string& model_path) {
@@ -107,9 +93,15 @@ std::map<std::string, torch::Tensor> sft_warmup(const RunConfig& c, const Tokeni
 }  // namespace
 
 GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_requested) {
-  if (c.recipe != Recipe::grpo)
-    throw Error(c.origin.at("recipe") + ": recipe '" + std::string(to_string(c.recipe)) +
-                "' cannot run yet: only grpo is implemented (sft, lora, dpo and ppo are the next issue)");
+  switch (c.recipe) {
+    case Recipe::sft:
+    case Recipe::lora: return run_sft(c, stop_requested);
+    case Recipe::dpo: return run_dpo(c, stop_requested);
+    case Recipe::ppo:
+      throw Error(c.origin.at("recipe") + ": recipe 'ppo' is not wired into troupe run yet (its trainer is being built); "
+                  "use grpo, sft, lora or dpo");
+    case Recipe::grpo: break;
+  }
 
   auto tokenizer = Tokenizer::load(c.model.path);
   auto source = std::make_shared<PromptSource>(c.data.train.path, tokenizer,
@@ -135,6 +127,8 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
   };
   spec.reward = reward;
   spec.trainer = trainer_config(c);
+  spec.lora = recipe::lora_config(c);
+  spec.seed = c.run.seed;
   spec.batch_groups = c.trainer.batch_groups;
   spec.steps = c.trainer.steps;
   spec.engine = {.max_batch = c.generator.max_batch, .max_seq_len = c.generator.max_seq_len, .seed = c.run.seed};

@@ -111,7 +111,7 @@ std::vector<Pair> read_jsonl(const std::filesystem::path& path, const Tokenizer&
       chat = ChatTemplate::detect(*tokenizer.chat_template(), "the tokenizer's chat template");
     }
   } else if (o.append_eos) {
-    eos = tokenizer.eos_id();
+    eos = o.eos_id ? o.eos_id : tokenizer.eos_id();
     if (!eos) throw Error(file + ": append_eos is set but the tokenizer has no eos token (turn append_eos off)");
   }
 

@@ -44,6 +44,7 @@ struct DataOptions {
   std::optional<ChatTemplate> chat_template;  // default: the tokenizer's own
   std::string system;                         // a system turn first, with chat, if not empty
   bool append_eos = true;
+  std::optional<int32_t> eos_id;  // instead of the tokenizer's eos (see sft::DataOptions)
   int64_t max_length = 0;  // tokens per prompt + response; 0: no limit
   sft::Overlong overlong = sft::Overlong::error;  // truncate keeps the start (TRL's keep_start)
   int64_t limit = 0;

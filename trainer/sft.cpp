@@ -135,7 +135,7 @@ std::vector<Sequence> read_jsonl(const std::filesystem::path& path, const Tokeni
   }
   std::optional<int32_t> eos;
   if (!o.chat && o.append_eos) {
-    eos = tokenizer.eos_id();
+    eos = o.eos_id ? o.eos_id : tokenizer.eos_id();
     if (!eos) throw Error(file + ": append_eos is set but the tokenizer has no eos token (turn append_eos off)");
   }
 

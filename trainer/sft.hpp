@@ -44,6 +44,8 @@ struct DataOptions {
   std::optional<ChatTemplate> chat_template;  // default: the tokenizer's own (an Error if it has none)
   std::string system;       // instruction pairs with chat: a system turn first, if not empty
   bool append_eos = true;   // plain text: the tokenizer's eos after the response, and trained
+  std::optional<int32_t> eos_id;  // the eos appended instead of the tokenizer's (e.g. the model's own, when
+                                  // the tokenizer's lies outside a small model's vocabulary)
   int64_t max_length = 0;   // tokens per example; 0: no limit
   Overlong overlong = Overlong::error;
   int64_t limit = 0;        // read only the first N records; 0: all

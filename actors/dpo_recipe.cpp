@@ -1,0 +1,108 @@
+// recipe: dpo. Direct preference optimization from a JSONL file of (prompt, chosen, rejected):
+// the frozen reference's log-probs are computed once (and cached in the run folder), then the
+// trainer runs alone on the sigmoid DPO loss. With a lora section only adapters train.
+#include <iostream>
+
+#include <torch/torch.h>
+
+#include "actors/recipe_run.hpp"
+#include "policy/error.hpp"
+#include "trainer/dpo.hpp"
+
+namespace troupe {
+namespace {
+
+std::vector<dpo::Pair> read(const RunConfig& c, const DatasetSection& d, const Tokenizer& tokenizer,
+                            std::optional<int32_t> eos) {
+  dpo::DataOptions o;
+  o.prompt_field = d.prompt;
+  o.chosen_field = d.chosen;
+  o.rejected_field = d.rejected;
+  o.chat = d.chat_template;
+  if (d.chat_template) {
+    if (!tokenizer.chat_template())
+      throw Error(c.model.path + ": the data asks for the chat template (chat_template: true) but the tokenizer has none");
+    o.chat_template = ChatTemplate::detect(*tokenizer.chat_template(), c.model.path);
+  }
+  o.system = d.system.value_or("");
+  o.max_length = c.trainer.max_length;
+  o.overlong = sft::Overlong::truncate;
+  o.limit = d.limit;
+  o.eos_id = eos;
+  sft::ReadReport report;
+  auto pairs = dpo::read_jsonl(d.path, tokenizer, o, &report);
+  if (report.truncated || report.dropped)
+    std::cout << d.path << ": " << report.truncated << " pairs cut to trainer.max_length " << c.trainer.max_length
+              << ", " << report.dropped << " left out" << std::endl;
+  if (pairs.empty()) throw Error(d.path + ": no preference pairs left to train on");
+  return pairs;
+}
+
+}  // namespace
+
+GraphResult run_dpo(const RunConfig& c, const std::atomic<bool>* stop_requested) {
+  // Set up: the policy (with adapters for LoRA), the pairs, and their reference log-probs
+  // from the frozen reference model, computed once and cached next to the run.
+  auto policy = recipe::load_policy(c, recipe::trainer_config(c));
+  if (!policy.model.tokenizer) throw Error(c.model.path + ": no tokenizer with the model (model.path); dpo needs one");
+  const Tokenizer& tokenizer = *policy.model.tokenizer;
+  const auto eos = recipe::model_eos(policy.model.config, tokenizer);
+  auto train = read(c, c.data.train, tokenizer, eos);
+  std::vector<dpo::Pair> held_out;
+  if (c.data.eval) held_out = read(c, *c.data.eval, tokenizer, eos);
+  recipe::RunFolder folder(c);
+  {
+    auto reference = load_model(c.reference.path, {.dtype = recipe::dtype_of(c.model.dtype),
+                                                   .device = torch::Device(c.model.device), .tokenizer = false});
+    dpo::ReferenceOptions ro{.batch_pairs = std::max<int64_t>(1, c.trainer.micro_batch > 0 ? c.trainer.micro_batch : 8),
+                             .chunk = c.trainer.logprob_chunk,
+                             .cache = std::filesystem::path(c.run.dir) / "reference_logprobs.json",
+                             .model_id = c.reference.path};
+    dpo::compute_reference(*reference.model, train, ro);
+    if (!held_out.empty()) {
+      ro.cache = std::filesystem::path(c.run.dir) / "reference_logprobs_eval.json";
+      dpo::compute_reference(*reference.model, held_out, ro);
+    }
+  }  // the reference is freed here: the steps need only its numbers
+  recipe::DataOrder order(static_cast<int64_t>(train.size()), c.data.shuffle, c.data.seed);
+  std::cout << "troupe run: dpo on " << train.size() << " pairs"
+            << (held_out.empty() ? "" : ", " + std::to_string(held_out.size()) + " held out") << ", beta "
+            << c.trainer.loss.beta << (policy.lora ? ", LoRA rank " + std::to_string(policy.lora->rank) : std::string())
+            << std::endl;
+
+  // Train: batch_size pairs per optimizer step.
+  GraphResult result;
+  for (int64_t step = 1; step <= c.trainer.steps; ++step) {
+    std::vector<dpo::Pair> batch;
+    int64_t tokens = 0;
+    for (int64_t i : order.next(c.trainer.batch_size)) {
+      batch.push_back(train[i]);
+      tokens += train[i].chosen.size() + train[i].rejected.size();
+    }
+    auto m = policy.trainer->dpo_step(batch);
+    nlohmann::json j{{"loss", m.loss}, {"rewards/chosen", m.reward_chosen}, {"rewards/rejected", m.reward_rejected},
+                     {"rewards/accuracies", m.accuracy}, {"rewards/margins", m.margin},
+                     {"logps/chosen", m.logps_chosen}, {"logps/rejected", m.logps_rejected},
+                     {"grad_norm", m.grad_norm}, {"lr", m.lr}, {"pairs", m.pairs}, {"epoch", order.epoch()}};
+    bool last = step == c.trainer.steps;
+    if (!held_out.empty() && (last || (c.trainer.eval_every > 0 && step % c.trainer.eval_every == 0))) {
+      auto e = policy.trainer->dpo_eval(held_out);
+      j["eval/loss"] = e.loss;
+      j["eval/rewards/accuracies"] = e.accuracy;
+      j["eval/rewards/margins"] = e.margin;
+    }
+    folder.step(step, j, tokens, result);
+    nlohmann::json cursor{{"epoch", order.epoch()}, {"position", order.position()}};
+    if (last || (c.run.checkpoint_every > 0 && step % c.run.checkpoint_every == 0))
+      folder.checkpoint(policy, step, cursor);
+    if (stop_requested && stop_requested->load() && !last) {
+      folder.checkpoint(policy, step, cursor);
+      result.error = "stopped on request after step " + std::to_string(step);
+      return result;
+    }
+  }
+  result.ok = true;
+  return result;
+}
+
+}  // namespace troupe

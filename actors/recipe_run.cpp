@@ -1,0 +1,138 @@
+// The pieces the trainer-alone recipes share; see recipe_run.hpp.
+#include "actors/recipe_run.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <numeric>
+#include <random>
+
+#include <torch/torch.h>
+
+#include "policy/error.hpp"
+#include "policy/seed.hpp"
+
+namespace troupe::recipe {
+
+torch::Dtype dtype_of(ModelDtype d) { return d == ModelDtype::bfloat16 ? torch::kBFloat16 : torch::kFloat32; }
+
+TrainerConfig trainer_config(const RunConfig& c) {
+  const auto& t = c.trainer;
+  TrainerConfig out;
+  out.optimizer = {.lr = t.lr, .weight_decay = t.weight_decay, .warmup_steps = t.warmup_steps,
+                   .total_steps = t.steps, .min_lr_ratio = t.min_lr_ratio, .max_grad_norm = t.max_grad_norm};
+  out.loss = {.epsilon = t.loss.epsilon, .epsilon_high = t.loss.epsilon_high, .beta = t.loss.beta,
+              .behaviour_cap = t.loss.behaviour_cap,
+              .aggregation = static_cast<grpo::Aggregation>(static_cast<int>(t.loss.aggregation)),
+              .max_completion_length = c.generator.max_tokens};
+  out.scale_rewards = static_cast<grpo::ScaleRewards>(static_cast<int>(t.scale_rewards));
+  out.mask_truncated_completions = t.mask_truncated_completions;
+  out.num_iterations = t.num_iterations;
+  out.micro_batch = t.micro_batch;
+  out.logprob_chunk = t.logprob_chunk;
+  out.dpo = {.beta = t.loss.beta, .label_smoothing = t.loss.label_smoothing};
+  out.activation_checkpointing = t.activation_checkpointing;
+  out.dpo_micro_pairs = t.micro_batch;
+  return out;
+}
+
+std::optional<LoraConfig> lora_config(const RunConfig& c) {
+  if (!c.lora) return std::nullopt;
+  LoraConfig l;
+  l.rank = c.lora->rank;
+  l.alpha = c.lora->alpha;
+  l.dropout = c.lora->dropout;
+  l.target_modules = c.lora->target_modules;
+  return l;
+}
+
+std::optional<int32_t> model_eos(const ModelConfig& config, const Tokenizer& tokenizer) {
+  auto eos = tokenizer.eos_id();
+  if (eos && *eos < config.vocab_size) return eos;
+  if (!config.eos_token_ids.empty()) return static_cast<int32_t>(config.eos_token_ids[0]);
+  return eos;
+}
+
+Policy load_policy(const RunConfig& c, TrainerConfig trainer) {
+  Policy p;
+  p.model = load_model(c.model.path, {.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device)});
+  p.lora = lora_config(c);
+  if (p.lora) {
+    attach_lora(*p.model.model, *p.lora, c.run.seed);
+    p.trainer = std::make_unique<Trainer>(p.model.model, trainer, lora_parameters(*p.model.model));
+  } else {
+    p.trainer = std::make_unique<Trainer>(p.model.model, trainer);
+  }
+  return p;
+}
+
+DataOrder::DataOrder(int64_t n, bool shuffle, uint64_t seed) : n_(n), shuffle_(shuffle), seed_(seed) {
+  if (n_ < 1) throw Error("no examples to train on");
+  reshuffle();
+}
+
+void DataOrder::reshuffle() {
+  order_.resize(n_);
+  std::iota(order_.begin(), order_.end(), 0);
+  if (shuffle_) std::shuffle(order_.begin(), order_.end(), std::mt19937_64(mix_seed(seed_, epoch_)));
+}
+
+std::vector<int64_t> DataOrder::next(int64_t k) {
+  std::vector<int64_t> out;
+  while (static_cast<int64_t>(out.size()) < k) {
+    if (position_ == n_) {
+      ++epoch_;
+      position_ = 0;
+      reshuffle();
+    }
+    out.push_back(order_[position_++]);
+  }
+  return out;
+}
+
+RunFolder::RunFolder(const RunConfig& c) : c_(c), dir_(c.run.dir) {
+  std::filesystem::create_directories(dir_);
+  std::ofstream(dir_ / "config.yaml") << to_yaml(c);
+  metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
+  if (!metrics_) throw Error((dir_ / "metrics.jsonl").string() + ": cannot open for writing (run.dir)");
+}
+
+void RunFolder::step(int64_t step, nlohmann::json j, int64_t tokens, GraphResult& result) {
+  auto now = std::chrono::steady_clock::now();
+  double seconds = std::chrono::duration<double>(now - last_).count();
+  last_ = now;
+  j["step"] = step;
+  j["time/step_s"] = seconds;
+  j["tokens_per_s"] = tokens / std::max(seconds, 1e-9);
+  metrics_ << j.dump() << "\n" << std::flush;
+  if (step % c_.run.log_every == 0 || step == c_.trainer.steps) {
+    std::string line = "step " + std::to_string(step) + "/" + std::to_string(c_.trainer.steps);
+    for (const char* key : {"loss", "eval/loss", "rewards/accuracies", "rewards/margins", "grad_norm", "lr", "tokens_per_s"}) {
+      if (!j.contains(key) || !j[key].is_number()) continue;
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "  %s %.4g", key, j[key].get<double>());
+      line += buf;
+    }
+    std::cout << line << std::endl;
+  }
+  result.steps = step;
+  result.metrics.push_back(std::move(j));
+}
+
+void RunFolder::checkpoint(const Policy& p, int64_t step, const nlohmann::json& cursor) {
+  auto dir = dir_ / "checkpoints" / ("step_" + std::to_string(step));
+  LoadedModel merged = p.model;
+  if (p.lora) {
+    // The exported model carries the adapters folded in; the adapter goes next to it as well.
+    merged.model = Transformer(p.model.config);
+    load_weights(*merged.model, merged_state_dict(*p.model.model), "merged LoRA weights");
+    save_peft_adapter(*p.model.model, *p.lora, dir / "adapter", c_.model.path);
+  }
+  save_hf_dir(merged, dir);
+  p.trainer->save_state(dir / "optimizer.pt");
+  nlohmann::json state{{"recipe", std::string(to_string(c_.recipe))}, {"model", c_.model.path}, {"step", step},
+                       {"policy_version", p.trainer->version()}, {"cursor", cursor}};
+  std::ofstream(dir / "trainer_state.json") << state.dump(2) << "\n";
+}
+
+}  // namespace troupe::recipe

@@ -1,0 +1,82 @@
+// What the trainer-alone recipes (sft, lora, dpo) share: the model with or without LoRA
+// adapters, the run folder (metrics.jsonl, progress lines, checkpoints) and the data order.
+// Each recipe itself reads top to bottom in its own file.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "actors/config.hpp"
+#include "actors/graph.hpp"
+#include "policy/checkpoint.hpp"
+#include "policy/lora.hpp"
+#include "trainer/trainer.hpp"
+
+namespace troupe {
+
+GraphResult run_sft(const RunConfig& config, const std::atomic<bool>* stop_requested);
+GraphResult run_dpo(const RunConfig& config, const std::atomic<bool>* stop_requested);
+
+namespace recipe {
+
+torch::Dtype dtype_of(ModelDtype d);
+TrainerConfig trainer_config(const RunConfig& c);
+std::optional<LoraConfig> lora_config(const RunConfig& c);
+// The end-of-sequence id to train after plain-text responses: the tokenizer's, unless it lies
+// outside the model's vocabulary (a small model with a borrowed tokenizer), then the model's own.
+std::optional<int32_t> model_eos(const ModelConfig& model, const Tokenizer& tokenizer);
+
+// The policy to train: the model, with adapters attached (and everything else frozen) when
+// the config has a lora section; the Trainer then optimizes only the adapters.
+struct Policy {
+  LoadedModel model;
+  std::optional<LoraConfig> lora;
+  std::unique_ptr<Trainer> trainer;
+};
+Policy load_policy(const RunConfig& c, TrainerConfig trainer);
+
+// The order examples are seen in: epoch e is a permutation of [0, n) seeded by (seed, e), or
+// the identity without shuffling. next(k) hands out the next k indices, across epochs.
+class DataOrder {
+ public:
+  DataOrder(int64_t n, bool shuffle, uint64_t seed);
+  std::vector<int64_t> next(int64_t k);
+  int64_t epoch() const { return epoch_; }
+  int64_t position() const { return position_; }
+
+ private:
+  void reshuffle();
+  int64_t n_;
+  bool shuffle_;
+  uint64_t seed_;
+  int64_t epoch_ = 0, position_ = 0;
+  std::vector<int64_t> order_;
+};
+
+// runs/NAME: the resolved config, metrics.jsonl, a progress line per log_every steps, and
+// checkpoints (a Hugging Face folder of the merged weights, the PEFT adapter with LoRA, and
+// the optimizer state) every checkpoint_every steps and at the end.
+class RunFolder {
+ public:
+  explicit RunFolder(const RunConfig& c);
+  // Adds step, time and tokens_per_s to `metrics`, writes and prints it, keeps it in `result`.
+  void step(int64_t step, nlohmann::json metrics, int64_t tokens, GraphResult& result);
+  void checkpoint(const Policy& policy, int64_t step, const nlohmann::json& cursor);
+
+ private:
+  const RunConfig& c_;
+  std::filesystem::path dir_;
+  std::ofstream metrics_;
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+};
+
+}  // namespace recipe
+}  // namespace troupe
