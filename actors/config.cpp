@@ -621,9 +621,10 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   if (!root.IsDefined() || root.IsNull())
     throw Error(s.file + ": empty config (expected recipe, model, data, generator, rewards, trainer, async, run)");
   Map top(s, "", root, root.Mark());
-  top.allow({"recipe", "model", "lora", "data", "generator", "rewards", "reference", "trainer", "async", "run"});
+  top.allow({"recipe", "resume", "model", "lora", "data", "generator", "rewards", "reference", "trainer", "async", "run"});
   RunConfig c;
   top.require("recipe", c.recipe, "one of " + join(kRecipeNames));
+  top.get("resume", c.resume);
   parse_model(top.map("model"), c.model);
   if ((top.has("lora") && !top.node("lora").IsNull()) || c.recipe == Recipe::lora) {
     c.lora.emplace();
@@ -825,6 +826,7 @@ std::string to_yaml(const RunConfig& c) {
   w.out << "# The resolved configuration: every key, defaults filled in (paths relative to the\n"
            "# folder troupe was started from). Run it again with: troupe run " << c.run.dir << "/config.yaml\n";
   w.line(0, "recipe", name_of(c.recipe));
+  if (!c.resume.empty()) w.line(0, "resume", quote(c.resume));
   w.line(0, "model", "");
   w.line(2, "path", quote(c.model.path));
   w.line(2, "dtype", name_of(c.model.dtype));

@@ -205,6 +205,9 @@ struct RunConfig {
   TrainerSection trainer;
   AsyncSection async;
   RunSection run;
+  // A run folder (its newest complete checkpoint) or one checkpoint folder to continue from:
+  // `troupe run CONFIG resume=runs/NAME`. Empty: start fresh. sft, lora and dpo.
+  std::string resume;
   ConfigOrigin origin;
   bool operator==(const RunConfig&) const = default;
 };

@@ -43,6 +43,7 @@ std::vector<dpo::Pair> read(const RunConfig& c, const DatasetSection& d, const T
 GraphResult run_dpo(const RunConfig& c, const std::atomic<bool>* stop_requested) {
   // Set up: the policy (with adapters for LoRA), the pairs, and their reference log-probs
   // from the frozen reference model, computed once and cached next to the run.
+  auto resume = recipe::find_resume(c);  // first: a wrong checkpoint fails before any loading
   auto policy = recipe::load_policy(c, recipe::trainer_config(c));
   if (!policy.model.tokenizer) throw Error(c.model.path + ": no tokenizer with the model (model.path); dpo needs one");
   const Tokenizer& tokenizer = *policy.model.tokenizer;
@@ -50,7 +51,12 @@ GraphResult run_dpo(const RunConfig& c, const std::atomic<bool>* stop_requested)
   auto train = read(c, c.data.train, tokenizer, eos);
   std::vector<dpo::Pair> held_out;
   if (c.data.eval) held_out = read(c, *c.data.eval, tokenizer, eos);
-  recipe::RunFolder folder(c);
+  int64_t start = 1;
+  if (resume) {
+    recipe::restore(policy, *resume);
+    start = resume->step + 1;
+  }
+  recipe::RunFolder folder(c, resume ? resume->step : 0);
   {
     auto reference = load_model(c.reference.path, {.dtype = recipe::dtype_of(c.model.dtype),
                                                    .device = torch::Device(c.model.device), .tokenizer = false});
@@ -72,7 +78,11 @@ GraphResult run_dpo(const RunConfig& c, const std::atomic<bool>* stop_requested)
 
   // Train: batch_size pairs per optimizer step.
   GraphResult result;
-  for (int64_t step = 1; step <= c.trainer.steps; ++step) {
+  if (resume) {
+    order.seek(resume->cursor.value("epoch", int64_t{0}), resume->cursor.value("position", int64_t{0}));
+    std::cout << "troupe run: resumed from " << resume->dir.string() << " (step " << resume->step << ")" << std::endl;
+  }
+  for (int64_t step = start; step <= c.trainer.steps; ++step) {
     std::vector<dpo::Pair> batch;
     int64_t tokens = 0;
     for (int64_t i : order.next(c.trainer.batch_size)) {

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "policy/error.hpp"
+#include "policy/safetensors.hpp"
 #include "policy/seed.hpp"
 
 namespace troupe::recipe {
@@ -54,6 +55,10 @@ std::optional<int32_t> model_eos(const ModelConfig& config, const Tokenizer& tok
 }
 
 Policy load_policy(const RunConfig& c, TrainerConfig trainer) {
+  // One seed for everything drawn from LibTorch's generator (LoRA dropout); deterministic
+  // mode also refuses kernels without a deterministic implementation.
+  torch::manual_seed(c.run.seed);
+  if (c.run.deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
   Policy p;
   p.model = load_model(c.model.path, {.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device)});
   p.lora = lora_config(c);
@@ -68,6 +73,13 @@ Policy load_policy(const RunConfig& c, TrainerConfig trainer) {
 
 DataOrder::DataOrder(int64_t n, bool shuffle, uint64_t seed) : n_(n), shuffle_(shuffle), seed_(seed) {
   if (n_ < 1) throw Error("no examples to train on");
+  reshuffle();
+}
+
+void DataOrder::seek(int64_t epoch, int64_t position) {
+  if (position < 0 || position > n_) throw Error("data cursor position " + std::to_string(position) + " outside [0, " + std::to_string(n_) + "]: the checkpoint was made on other data");
+  epoch_ = epoch;
+  position_ = position;
   reshuffle();
 }
 
@@ -90,9 +102,19 @@ std::vector<int64_t> DataOrder::next(int64_t k) {
   return out;
 }
 
-RunFolder::RunFolder(const RunConfig& c) : c_(c), dir_(c.run.dir) {
+RunFolder::RunFolder(const RunConfig& c, int64_t resumed_step) : c_(c), dir_(c.run.dir) {
   std::filesystem::create_directories(dir_);
   std::ofstream(dir_ / "config.yaml") << to_yaml(c);
+  if (resumed_step > 0) {
+    std::vector<std::string> kept;
+    std::ifstream in(dir_ / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.contains("step") && j["step"].get<int64_t>() <= resumed_step) kept.push_back(line);
+    }
+    std::ofstream out(dir_ / "metrics.jsonl", std::ios::trunc);
+    for (const auto& line : kept) out << line << "\n";
+  }
   metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
   if (!metrics_) throw Error((dir_ / "metrics.jsonl").string() + ": cannot open for writing (run.dir)");
 }
@@ -130,9 +152,64 @@ void RunFolder::checkpoint(const Policy& p, int64_t step, const nlohmann::json& 
   }
   save_hf_dir(merged, dir);
   p.trainer->save_state(dir / "optimizer.pt");
+  torch::save(at::detail::getDefaultCPUGenerator().get_state(), (dir / "rng.pt").string());
   nlohmann::json state{{"recipe", std::string(to_string(c_.recipe))}, {"model", c_.model.path}, {"step", step},
                        {"policy_version", p.trainer->version()}, {"cursor", cursor}};
   std::ofstream(dir / "trainer_state.json") << state.dump(2) << "\n";
+}
+
+namespace {
+
+int64_t step_of(const std::filesystem::path& dir) {
+  auto name = dir.filename().string();
+  if (name.rfind("step_", 0) != 0) return -1;
+  try {
+    return std::stoll(name.substr(5));
+  } catch (...) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+std::optional<Resume> find_resume(const RunConfig& c) {
+  if (c.resume.empty()) return std::nullopt;
+  namespace fs = std::filesystem;
+  fs::path dir = c.resume;
+  if (!fs::exists(dir)) throw Error(c.origin.at("resume") + ": resume: " + c.resume + " does not exist");
+  if (!fs::exists(dir / "trainer_state.json")) {
+    fs::path best;
+    for (const auto& e : fs::directory_iterator(dir / "checkpoints", fs::directory_options::skip_permission_denied))
+      if (fs::exists(e.path() / "trainer_state.json") && step_of(e.path()) > step_of(best)) best = e.path();
+    if (best.empty())
+      throw Error(c.origin.at("resume") + ": resume: " + c.resume + " holds no complete checkpoint (checkpoints/step_N/trainer_state.json)");
+    dir = best;
+  }
+  auto file = dir / "trainer_state.json";
+  auto state = nlohmann::json::parse(std::ifstream(file), nullptr, false);
+  if (state.is_discarded() || !state.is_object() || !state.contains("step") || !state.contains("recipe"))
+    throw Error(file.string() + ": not a troupe trainer state (expected recipe, model, step, cursor)");
+  const std::string recipe = state["recipe"].get<std::string>();
+  if (recipe != to_string(c.recipe))
+    throw Error(file.string() + ": the checkpoint is from recipe " + recipe + ", this config runs " +
+                std::string(to_string(c.recipe)) + " (recipe, resume)");
+  if (state.value("model", "") != c.model.path)
+    throw Error(file.string() + ": the checkpoint trained " + state.value("model", "?") + ", this config's model.path is " +
+                c.model.path);
+  return Resume{dir, state["step"].get<int64_t>(), state.value("cursor", nlohmann::json::object())};
+}
+
+void restore(Policy& p, const Resume& r) {
+  if (p.lora) {
+    load_peft_adapter(*p.model.model, r.dir / "adapter");
+  } else {
+    load_weights(*p.model.model, read_safetensors(safetensors::Checkpoint::open_dir(r.dir)), r.dir.string());
+  }
+  p.trainer->load_state(r.dir / "optimizer.pt");
+  torch::Tensor rng;
+  torch::load(rng, (r.dir / "rng.pt").string());
+  auto generator = at::detail::getDefaultCPUGenerator();  // a handle: set_state needs a non-const one
+  generator.set_state(rng);
 }
 
 }  // namespace troupe::recipe

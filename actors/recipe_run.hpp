@@ -43,12 +43,26 @@ struct Policy {
 };
 Policy load_policy(const RunConfig& c, TrainerConfig trainer);
 
+// A checkpoint to continue from (config.resume): its folder, step and data cursor.
+struct Resume {
+  std::filesystem::path dir;  // runs/NAME/checkpoints/step_N
+  int64_t step = 0;
+  nlohmann::json cursor;      // {"epoch", "position"}
+};
+// config.resume resolved: a checkpoint folder, or a run folder's newest complete checkpoint
+// (trainer_state.json is written last, so a checkpoint cut short by a kill is skipped).
+// Throws Error naming the file when it belongs to another recipe or model.
+std::optional<Resume> find_resume(const RunConfig& c);
+// Weights (or the LoRA adapter over the base), optimizer state and RNG state from `r`.
+void restore(Policy& policy, const Resume& r);
+
 // The order examples are seen in: epoch e is a permutation of [0, n) seeded by (seed, e), or
 // the identity without shuffling. next(k) hands out the next k indices, across epochs.
 class DataOrder {
  public:
   DataOrder(int64_t n, bool shuffle, uint64_t seed);
   std::vector<int64_t> next(int64_t k);
+  void seek(int64_t epoch, int64_t position);  // where a checkpoint's cursor left off
   int64_t epoch() const { return epoch_; }
   int64_t position() const { return position_; }
 
@@ -66,7 +80,9 @@ class DataOrder {
 // the optimizer state) every checkpoint_every steps and at the end.
 class RunFolder {
  public:
-  explicit RunFolder(const RunConfig& c);
+  // Resuming from step k keeps metrics.jsonl's lines up to k and drops the rest (steps the
+  // interrupted run made after its last checkpoint are made again).
+  RunFolder(const RunConfig& c, int64_t resumed_step = 0);
   // Adds step, time and tokens_per_s to `metrics`, writes and prints it, keeps it in `result`.
   void step(int64_t step, nlohmann::json metrics, int64_t tokens, GraphResult& result);
   void checkpoint(const Policy& policy, int64_t step, const nlohmann::json& cursor);

@@ -102,6 +102,9 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
                   "use grpo, sft, lora or dpo");
     case Recipe::grpo: break;
   }
+  if (!c.resume.empty())
+    throw Error(c.origin.at("resume") + ": resume is implemented for sft, lora and dpo; a grpo run cannot continue "
+                "from a checkpoint yet (its buffered rollouts and generator state are not saved)");
 
   auto tokenizer = Tokenizer::load(c.model.path);
   auto source = std::make_shared<PromptSource>(c.data.train.path, tokenizer,

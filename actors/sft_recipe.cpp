@@ -49,6 +49,7 @@ std::vector<sft::Sequence> read(const RunConfig& c, const DatasetSection& d, con
 
 GraphResult run_sft(const RunConfig& c, const std::atomic<bool>* stop_requested) {
   // Set up: data, model (with adapters for LoRA), trainer, run folder.
+  auto resume = recipe::find_resume(c);  // first: a wrong checkpoint fails before any loading
   auto policy = recipe::load_policy(c, recipe::trainer_config(c));
   if (!policy.model.tokenizer) throw Error(c.model.path + ": no tokenizer with the model (model.path); sft needs one");
   const Tokenizer& tokenizer = *policy.model.tokenizer;
@@ -63,14 +64,23 @@ GraphResult run_sft(const RunConfig& c, const std::atomic<bool>* stop_requested)
     return policy.trainer->sft_eval(batches);
   };
   recipe::DataOrder order(static_cast<int64_t>(train.size()), c.data.shuffle, c.data.seed);
-  recipe::RunFolder folder(c);
+  int64_t start = 1;
+  if (resume) {
+    recipe::restore(policy, *resume);
+    start = resume->step + 1;
+  }
+  recipe::RunFolder folder(c, resume ? resume->step : 0);
   std::cout << "troupe run: " << to_string(c.recipe) << " on " << train.size() << " examples"
             << (held_out.empty() ? "" : ", " + std::to_string(held_out.size()) + " held out")
             << (policy.lora ? ", LoRA rank " + std::to_string(policy.lora->rank) : std::string()) << std::endl;
 
   // Train: batch_size examples per optimizer step, packed into rows of max_length tokens.
   GraphResult result;
-  for (int64_t step = 1; step <= c.trainer.steps; ++step) {
+  if (resume) {
+    order.seek(resume->cursor.value("epoch", int64_t{0}), resume->cursor.value("position", int64_t{0}));
+    std::cout << "troupe run: resumed from " << resume->dir.string() << " (step " << resume->step << ")" << std::endl;
+  }
+  for (int64_t step = start; step <= c.trainer.steps; ++step) {
     std::vector<sft::Sequence> batch;
     for (int64_t i : order.next(c.trainer.batch_size)) batch.push_back(train[i]);
     auto m = policy.trainer->sft_step(sft::micro_batches(batch, batching));

@@ -176,7 +176,7 @@ TEST_CASE("each kind of bad input names file, line and key") {
         "configs/x.yaml:8: generator.temprature: unknown key (did you mean temperature?)");
   CHECK(error_of(with_line(3, "  pth: models/m.gguf")) == "configs/x.yaml:3: model.pth: unknown key (did you mean path?)");
   CHECK(error_of(kBase + "optimiser: {}\n") ==
-        "configs/x.yaml:15: optimiser: unknown key (expected one of: recipe, model, lora, data, generator, rewards, reference, "
+        "configs/x.yaml:15: optimiser: unknown key (expected one of: recipe, resume, model, lora, data, generator, rewards, reference, "
         "trainer, async, run)");
   // Wrong types.
   CHECK(error_of(with_line(7, "  group_size: eight")) ==

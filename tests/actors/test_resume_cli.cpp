@@ -1,0 +1,152 @@
+// Exact resume of the trainer-alone recipes: a run killed with SIGKILL at a random step and
+// continued with `resume=RUN_DIR` ends with the same weights and the same per-step metrics as
+// a run that was never interrupted (deterministic mode). sft, lora (dropout on, so the RNG
+// state matters) and dpo; plus the errors for a checkpoint of another recipe or model.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "policy/safetensors.hpp"
+#include "tests/test_util.hpp"
+
+namespace fs = std::filesystem;
+using namespace troupe;
+using namespace troupe::test;
+
+namespace {
+
+std::string troupe_run(const std::string& config, const std::string& args) {
+  return "cd " + shell_quote(source().string()) + " && exec " + shell_quote(env_dir("TROUPE_BIN").string()) +
+         " run configs/" + config + ".yaml " + args;
+}
+
+std::vector<nlohmann::json> metrics(const fs::path& dir) {
+  std::ifstream in(dir / "metrics.jsonl");
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// Largest |a - b| over every float32 tensor of two safetensors files.
+double max_diff(const fs::path& a, const fs::path& b) {
+  auto fa = safetensors::File::open(a), fb = safetensors::File::open(b);
+  double worst = 0;
+  REQUIRE(fa->tensors().size() == fb->tensors().size());
+  for (const auto& ta : fa->tensors()) {
+    const auto& tb = fb->at(ta.name);
+    REQUIRE(ta.nbytes == tb.nbytes);
+    REQUIRE(ta.dtype == safetensors::Dtype::F32);
+    for (size_t i = 0; i < ta.nbytes / 4; ++i) {
+      float x, y;
+      std::memcpy(&x, ta.data + 4 * i, 4);
+      std::memcpy(&y, tb.data + 4 * i, 4);
+      worst = std::max(worst, static_cast<double>(std::fabs(x - y)));
+    }
+  }
+  return worst;
+}
+
+// Runs the config straight through, then again killed with SIGKILL once `kill_at` steps are in
+// metrics.jsonl and resumed; compares the final weights (`weights` inside the last checkpoint)
+// and every step's `key`.
+void check_resume(const std::string& config, const std::string& data, const std::string& extra, int64_t steps,
+                  const std::string& weights, const char* key) {
+  auto task = fixtures() / "arithmetic";
+  std::string common = "model.path=" + shell_quote((task / "model").string()) + " data.train.path=" +
+                       shell_quote((task / data).string()) + " trainer.steps=" + std::to_string(steps) +
+                       " run.checkpoint_every=5 run.deterministic=true " + extra;
+  auto straight = fixtures() / ("resume_" + config + "_straight");
+  auto killed = fixtures() / ("resume_" + config + "_killed");
+  fs::remove_all(straight);
+  fs::remove_all(killed);
+  auto r = run_command(troupe_run(config, common + " run.dir=" + shell_quote(straight.string())) + " 2>&1");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+
+  std::mt19937 rng(std::random_device{}());
+  const int64_t kill_at = 6 + static_cast<int64_t>(rng() % (steps - 10));
+  pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    std::string cmd = troupe_run(config, common + " run.dir=" + shell_quote(killed.string())) + " > /dev/null 2>&1";
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  int64_t seen = 0;
+  for (int i = 0; i < 60000 && seen < kill_at; ++i) {
+    seen = static_cast<int64_t>(metrics(killed).size());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  kill(pid, SIGKILL);  // `exec` made the shell the troupe process itself
+  waitpid(pid, nullptr, 0);
+  REQUIRE(seen >= kill_at);
+  const auto killed_lines = metrics(killed).size();
+  REQUIRE(killed_lines < static_cast<size_t>(steps));  // it really died mid-run
+
+  r = run_command(troupe_run(config, common + " run.dir=" + shell_quote(killed.string()) +
+                                         " resume=" + shell_quote(killed.string())) + " 2>&1");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("resumed from") != std::string::npos);
+
+  auto a = metrics(straight), b = metrics(killed);
+  REQUIRE(a.size() == static_cast<size_t>(steps));
+  REQUIRE(b.size() == static_cast<size_t>(steps));
+  double worst_metric = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    CHECK(b[i]["step"] == a[i]["step"]);
+    worst_metric = std::max(worst_metric, std::fabs(a[i][key].get<double>() - b[i][key].get<double>()));
+  }
+  auto last = "step_" + std::to_string(steps);
+  double worst_weight = max_diff(straight / "checkpoints" / last / weights, killed / "checkpoints" / last / weights);
+  MESSAGE(config << ": killed after " << killed_lines << " steps, resumed; max |weight diff| " << worst_weight
+                 << ", max |" << std::string(key) << " diff| " << worst_metric);
+  CHECK(worst_weight <= 1e-6);
+  CHECK(worst_metric <= 1e-6);
+}
+
+}  // namespace
+
+TEST_CASE("sft killed at a random step and resumed ends where an uninterrupted run ends") {
+  check_resume("tiny_arithmetic_sft", "train.jsonl", "data.eval=null", 40, "model.safetensors", "loss");
+}
+
+TEST_CASE("lora with dropout, killed and resumed: same adapter, same losses") {
+  check_resume("tiny_arithmetic_lora", "train.jsonl", "data.eval=null lora.dropout=0.1", 30,
+               "adapter/adapter_model.safetensors", "loss");
+}
+
+TEST_CASE("dpo killed and resumed: same weights, same reward accuracies") {
+  check_resume("tiny_arithmetic_dpo", "prefs.jsonl", "", 30, "model.safetensors", "rewards/margins");
+}
+
+TEST_CASE("resuming from a checkpoint of another recipe or model is an error naming the file") {
+  auto task = fixtures() / "arithmetic";
+  auto dir = fixtures() / "resume_tiny_arithmetic_sft_straight";  // left by the first case
+  REQUIRE(fs::exists(dir / "checkpoints" / "step_40" / "trainer_state.json"));
+  auto r = run_command(troupe_run("tiny_arithmetic_dpo", "model.path=" + shell_quote((task / "model").string()) +
+                                                            " data.train.path=" + shell_quote((task / "prefs.jsonl").string()) +
+                                                            " run.dir=" + shell_quote((fixtures() / "resume_wrong").string()) +
+                                                            " resume=" + shell_quote(dir.string())) + " 2>&1");
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.out.find("step_40/trainer_state.json: the checkpoint is from recipe sft") != std::string::npos, r.out);
+  r = run_command(troupe_run("tiny_arithmetic_sft", "model.path=" + shell_quote((fixtures() / "hf_models" / "llama3").string()) +
+                                                        " data.train.path=" + shell_quote((task / "train.jsonl").string()) +
+                                                        " data.eval=null run.dir=" + shell_quote((fixtures() / "resume_wrong").string()) +
+                                                        " resume=" + shell_quote(dir.string())) + " 2>&1");
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.out.find("the checkpoint trained") != std::string::npos, r.out);
+  r = run_command(troupe_run("tiny_arithmetic_grpo", "resume=" + shell_quote(dir.string())) + " 2>&1");
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.out.find("resume is implemented for sft, lora and dpo") != std::string::npos, r.out);
+}
