@@ -1,5 +1,7 @@
 // The troupe command line: parses arguments and calls the libraries; nothing else lives here.
 // Every troupe::Error (and any other exception) becomes one line on stderr and exit code 1.
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -135,6 +137,91 @@ std::vector<std::string> read_jsonl_field(const std::string& path, const std::st
   return texts;
 }
 
+// What each recipe trains, in the order `troupe ls` lists them (RL first, then the trainer alone).
+struct RecipeLine {
+  Recipe recipe;
+  const char* what;
+};
+constexpr std::array<RecipeLine, 5> kRecipeLines = {{
+    {Recipe::grpo, "async GRPO: generators sample G completions per prompt, rewards score them, the policy learns "
+                   "from group-relative advantages (actor graph)"},
+    {Recipe::ppo, "PPO: GRPO's graph with a value head on the policy's trunk and GAE over KL-shaped rewards "
+                  "instead of group-relative advantages (actor graph)"},
+    {Recipe::sft, "supervised fine-tuning of all weights on prompt/response or chat JSONL, loss on the responses "
+                  "(trainer alone)"},
+    {Recipe::lora, "sft with LoRA adapters on the chosen projections, base weights frozen; checkpoints carry the "
+                   "PEFT adapter (trainer alone)"},
+    {Recipe::dpo, "direct preference optimization on (prompt, chosen, rejected) pairs against the frozen starting "
+                  "model (trainer alone)"},
+}};
+static_assert(kRecipeLines.size() == kRecipeNames.size(), "troupe ls: describe every recipe");
+
+// The first line of a config's opening comment, without its '#': what the file is for. A
+// sentence that goes on to the next comment line ends in " ...".
+std::string opening_comment(const fs::path& path) {
+  std::ifstream in(path);
+  std::string first, next;
+  if (!std::getline(in, first) || first.rfind('#', 0) != 0) return "(no opening comment)";
+  auto strip = [](std::string s) {
+    s.erase(0, s.find_first_not_of("# \t"));
+    s.erase(s.find_last_not_of(" \t\r") + 1);
+    return s;
+  };
+  first = strip(first);
+  bool continues = std::getline(in, next) && next.rfind('#', 0) == 0 && !strip(next).empty();
+  if (continues && !first.empty() && first.back() != '.') {
+    first.erase(first.find_last_not_of(",:;") + 1);
+    first += " ...";
+  }
+  return first;
+}
+
+// `troupe ls`: the recipes, then each file in ./configs/ with its recipe and opening comment.
+// A config that does not load shows as an error line and the listing goes on; the exit code is
+// 1 when any did not load or configs/ is missing.
+int run_ls() {
+  std::cout << "recipes:\n";
+  for (const auto& r : kRecipeLines) {
+    std::string name(to_string(r.recipe));
+    std::cout << "  " << name << std::string(6 - name.size(), ' ') << r.what << "\n";
+  }
+  std::error_code ec;
+  const fs::path dir = "configs";
+  if (!fs::is_directory(dir, ec)) {
+    std::cout << std::flush;
+    std::cerr << "troupe: error: no configs/ folder in " << fs::current_path(ec).string()
+              << ": run troupe ls from the repository root (config paths are relative to the current folder)"
+              << std::endl;
+    return 1;
+  }
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.is_regular_file(ec) && e.path().filename().string().rfind('.', 0) != 0) files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  size_t width = 0;
+  for (const auto& f : files) width = std::max(width, f.generic_string().size());
+  std::cout << "\nconfigs (troupe run CONFIG; troupe validate CONFIG checks one):\n";
+  if (files.empty()) std::cout << "  (configs/ is empty)\n";
+  int broken = 0;
+  for (const auto& f : files) {
+    std::string name = f.generic_string();
+    std::cout << "  " << name << std::string(width + 2 - name.size(), ' ');
+    try {
+      std::string recipe(to_string(load_run_config(name).recipe));
+      std::cout << recipe << std::string(6 - recipe.size(), ' ') << opening_comment(f) << "\n";
+    } catch (const std::exception& e) {
+      ++broken;
+      std::cout << "error: " << e.what() << "\n";
+    }
+  }
+  std::cout << std::flush;
+  if (broken) {
+    std::cerr << "troupe: error: " << broken << " of " << files.size() << " configs in configs/ did not load" << std::endl;
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 std::atomic<bool> g_stop{false};
@@ -253,12 +340,15 @@ int main(int argc, char** argv) {
   validate_cmd->add_option("config", validate_config, "The YAML run config")->required();
   validate_cmd->add_option("overrides", validate_overrides, "key.path=value overrides, as for troupe run");
 
+  auto* ls_cmd = app.add_subcommand("ls", "List the recipes and the configs in ./configs/ (recipe and summary of each)");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*generate_cmd) return run_generate(gen);
     if (*tokenize_cmd) return run_tokenize(tokenizer_path, decode);
     if (*serve_cmd) return serve(srv);
     if (*run_cmd) return run_from_config(run_config_path, run_overrides);
+    if (*ls_cmd) return run_ls();
     if (*validate_cmd) {
       auto config = load_run_config(validate_config, validate_overrides);
       validate_paths(config);

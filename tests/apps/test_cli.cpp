@@ -6,7 +6,9 @@
 #include <cstdio>
 #include <fstream>
 #include <regex>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -116,4 +118,103 @@ TEST_CASE("bad input gives one clear error line and exit code 1") {
 
   r = run_troupe("frobnicate");
   CHECK(r.status != 0);
+}
+
+namespace {
+
+// `troupe ls` run in `dir`, as a user would from the repository root.
+Run run_ls_in(const fs::path& dir) {
+  return troupe::test::run_command("cd " + quote(dir.string()) + " && " + quote(env_dir("TROUPE_BIN").string()) +
+                                   " ls 2>&1");
+}
+
+std::vector<std::string> lines_of(const std::string& s) {
+  std::vector<std::string> lines;
+  std::istringstream in(s);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// The output line whose first word is `first`, split into words; empty if there is none.
+std::vector<std::string> words_of_line(const std::string& out, const std::string& first) {
+  for (const auto& line : lines_of(out)) {
+    std::istringstream in(line);
+    std::vector<std::string> words;
+    for (std::string w; in >> w;) words.push_back(w);
+    if (!words.empty() && words[0] == first) return words;
+  }
+  return {};
+}
+
+std::string joined(const std::vector<std::string>& words) {
+  std::string s;
+  for (const auto& w : words) s += (s.empty() ? "" : " ") + w;
+  return s;
+}
+
+// The value of a config's top-level `recipe:` key, read as text (not through the config parser).
+std::string recipe_in_file(const fs::path& path) {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    if (std::regex_match(line, m, std::regex(R"(recipe:\s*([a-z]+)\s*(#.*)?)"))) return m[1];
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("ls lists the five recipes and every file in configs/ with its recipe") {
+  auto r = run_ls_in(troupe::test::source());
+  INFO(r.out);
+  CHECK(r.status == 0);
+  for (const char* recipe : {"grpo", "ppo", "sft", "lora", "dpo"}) {
+    CAPTURE(recipe);
+    auto line = joined(words_of_line(r.out, recipe));
+    CAPTURE(line);
+    // A description that says whether the recipe runs the actor graph or the trainer alone.
+    CHECK(line.size() > 40);
+    CHECK((line.find("(actor graph") != std::string::npos || line.find("(trainer alone)") != std::string::npos));
+  }
+  int count = 0;
+  for (const auto& e : fs::directory_iterator(troupe::test::source() / "configs")) {
+    if (!e.is_regular_file() || e.path().filename().string()[0] == '.') continue;
+    ++count;
+    std::string name = "configs/" + e.path().filename().string();
+    CAPTURE(name);
+    auto words = words_of_line(r.out, name);
+    REQUIRE(words.size() >= 3);  // the path, the recipe and the opening comment
+    CHECK(words[1] == recipe_in_file(e.path()));
+    CHECK(words[2] != "(no");    // every shipped config opens with a comment
+  }
+  CHECK(count >= 9);
+}
+
+TEST_CASE("ls shows a broken config as an error line and goes on; a missing configs/ is named") {
+  auto dir = fs::temp_directory_path() / "troupe_cli_ls";
+  fs::remove_all(dir);
+  fs::create_directories(dir / "configs");
+  std::ofstream(dir / "configs" / "a_broken.yaml") << "# Broken on purpose.\nrecipe: sft\nmodel: {path: m}\n"
+                                                      "data: {train: {path: d.jsonl, response: answer}}\ntrainer: {lr: -1}\n";
+  std::ofstream(dir / "configs" / "b_fine.yaml")
+      << "# A fine one: supervised fine-tuning,\n# on two lines.\nrecipe: sft\nmodel: {path: m}\n"
+         "data: {train: {path: d.jsonl, response: answer}}\n";
+  auto r = run_ls_in(dir);
+  INFO(r.out);
+  CHECK(r.status == 1);
+  auto broken = words_of_line(r.out, "configs/a_broken.yaml");
+  REQUIRE(broken.size() >= 3);
+  CHECK(broken[1] == "error:");
+  CHECK(r.out.find("configs/a_broken.yaml:5: trainer.lr: must be > 0") != std::string::npos);
+  auto fine = words_of_line(r.out, "configs/b_fine.yaml");
+  REQUIRE(fine.size() >= 3);
+  CHECK(fine[1] == "sft");
+  CHECK(r.out.find("A fine one: supervised fine-tuning ...") != std::string::npos);
+  CHECK(r.out.find("1 of 2 configs in configs/ did not load") != std::string::npos);
+
+  fs::remove_all(dir / "configs");
+  r = run_ls_in(dir);
+  CHECK(r.status == 1);
+  CHECK(!words_of_line(r.out, "dpo").empty());  // the recipes are still listed
+  CHECK(r.out.find("no configs/ folder in ") != std::string::npos);
 }
