@@ -36,6 +36,7 @@ bench: build
 	$(PY) bench/generation_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_generate --model $(MODEL) --work $(BUILD)/bench_models/smollm2
 	$(PY) bench/decode_llamacpp.py --bench $(BUILD)/bench/bench_decode --model $(MODEL)
 	$(PY) bench/serve_load.py --troupe $(BUILD)/troupe --model $(MODEL)
+	$(PY) bench/sft_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_sft --model $(MODEL) --work $(BUILD)/bench_models/smollm2
 
 clean:
 	rm -rf $(BUILD)
