@@ -482,7 +482,16 @@ void parse_rewards(const Source& s, Map& top, std::vector<RewardSection>& out) {
 }
 
 void parse_loss(const Source& s, Map m, LossSection& c, Recipe recipe) {
-  m.allow({"kind", "aggregation", "clip", "epsilon", "epsilon_high", "beta", "behaviour_cap", "label_smoothing"});
+  m.allow({"kind", "aggregation", "clip", "epsilon", "epsilon_high", "beta", "behaviour_cap", "label_smoothing", "gamma", "lambda", "value_clip", "vf_coef", "whiten_advantages"});
+  m.get("gamma", c.gamma);
+  m.check(c.gamma > 0 && c.gamma <= 1, "gamma", "must be in (0, 1]" + got(c.gamma));
+  m.get("lambda", c.lambda);
+  m.check(c.lambda >= 0 && c.lambda <= 1, "lambda", "must be in [0, 1]" + got(c.lambda));
+  m.get("value_clip", c.value_clip);
+  m.check(c.value_clip >= 0, "value_clip", "must be >= 0 (0: no clipping)" + got(c.value_clip));
+  m.get("vf_coef", c.vf_coef);
+  m.check(c.vf_coef > 0, "vf_coef", "must be > 0" + got(c.vf_coef));
+  m.get("whiten_advantages", c.whiten_advantages);
   m.get("label_smoothing", c.label_smoothing);
   m.check(c.label_smoothing >= 0 && c.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)" + got(c.label_smoothing));
   m.get_enum("kind", c.kind, kLossKindNames);
@@ -513,8 +522,12 @@ void parse_loss(const Source& s, Map m, LossSection& c, Recipe recipe) {
     c.kind = LossKind::dpo;
     if (!m.has("beta")) c.beta = 0.1;
     m.check(c.beta > 0, "beta", "must be > 0 for dpo" + got(c.beta));
+  } else if (recipe == Recipe::ppo) {
+    m.check(!m.has("kind") || c.kind == LossKind::ppo, "kind", "recipe ppo takes kind: ppo");
+    c.kind = LossKind::ppo;
   } else {
     m.check(c.kind != LossKind::dpo, "kind", "kind: dpo needs recipe: dpo");
+    m.check(c.kind != LossKind::ppo, "kind", "kind: ppo needs recipe: ppo");
   }
 }
 
@@ -909,6 +922,11 @@ std::string to_yaml(const RunConfig& c) {
   w.line(4, "beta", fmt(t.loss.beta));
   w.line(4, "behaviour_cap", fmt(t.loss.behaviour_cap));
   w.line(4, "label_smoothing", fmt(t.loss.label_smoothing));
+  w.line(4, "gamma", fmt(t.loss.gamma));
+  w.line(4, "lambda", fmt(t.loss.lambda));
+  w.line(4, "value_clip", fmt(t.loss.value_clip));
+  w.line(4, "vf_coef", fmt(t.loss.vf_coef));
+  w.line(4, "whiten_advantages", b(t.loss.whiten_advantages));
   if (t.sft_warmup) {
     w.line(2, "sft_warmup", "");
     w.line(4, "path", quote(t.sft_warmup->path));
@@ -935,7 +953,17 @@ std::string summary(const RunConfig& c) {
   std::ostringstream s;
   const auto& g = c.generator;
   s << "recipe " << to_string(c.recipe) << ", model " << c.model.path << " (" << to_string(c.model.dtype) << ", "
-    << c.model.device << "), data " << c.data.train.path << ", " << g.count << " " << to_string(g.engine)
+    << c.model.device << ")";
+  if (c.lora) s << " + LoRA rank " << c.lora->rank;
+  s << ", data " << c.data.train.path;
+  if (c.recipe == Recipe::sft || c.recipe == Recipe::lora || c.recipe == Recipe::dpo) {
+    s << ", " << c.trainer.steps << " steps x " << c.trainer.batch_size << (c.recipe == Recipe::dpo ? " pairs" : " examples")
+      << ", max_length " << c.trainer.max_length << ", lr " << short_num(c.trainer.lr);
+    if (c.recipe == Recipe::dpo) s << ", beta " << short_num(c.trainer.loss.beta);
+    s << ", run dir " << c.run.dir;
+    return s.str();
+  }
+  s << ", " << g.count << " " << to_string(g.engine)
     << (g.count == 1 ? " generator" : " generators") << " x G=" << g.group_size << ", max_tokens " << g.max_tokens
     << ", rewards ";
   for (size_t i = 0; i < c.rewards.size(); ++i)

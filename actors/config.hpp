@@ -25,7 +25,7 @@ enum class ModelDtype { float32, bfloat16 };
 enum class EngineKind { builtin, remote };
 enum class RewardScaling { group, batch, none };
 enum class LossAggregation { grpo, dr_grpo, dapo };
-enum class LossKind { grpo, dpo };
+enum class LossKind { grpo, dpo, ppo };
 
 // Names as written in YAML, in enum order.
 inline constexpr std::array<std::string_view, 5> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo"};
@@ -33,7 +33,7 @@ inline constexpr std::array<std::string_view, 2> kModelDtypeNames = {"float32", 
 inline constexpr std::array<std::string_view, 2> kEngineNames = {"builtin", "remote"};
 inline constexpr std::array<std::string_view, 3> kRewardScalingNames = {"group", "batch", "none"};
 inline constexpr std::array<std::string_view, 3> kLossAggregationNames = {"grpo", "dr_grpo", "dapo"};
-inline constexpr std::array<std::string_view, 2> kLossKindNames = {"grpo", "dpo"};
+inline constexpr std::array<std::string_view, 3> kLossKindNames = {"grpo", "dpo", "ppo"};
 // The reward kinds the config accepts; a test checks they cover reward/'s built-ins.
 inline constexpr std::array<std::string_view, 4> kRewardKindNames = {"math_answer", "format", "plugin", "http"};
 
@@ -122,6 +122,12 @@ struct LossSection {
   double beta = 0.0;            // weight of the k3 KL to the reference; 0 spawns no reference
   double behaviour_cap = 5.0;   // truncation of pi_prox / mu (decoupled PPO's behaviour weight)
   double label_smoothing = 0.0; // dpo: the chance a preference label is wrong (cDPO), in [0, 0.5)
+  // ppo (beta is then the per-token KL penalty folded into the rewards):
+  double gamma = 1.0;           // discount over completion tokens
+  double lambda = 0.95;         // GAE's bias/variance trade-off
+  double value_clip = 0.2;      // the value may move this far from its old estimate per step; 0: no clip
+  double vf_coef = 0.1;         // weight of the value loss
+  bool whiten_advantages = true;  // normalise advantages over the batch's tokens
   bool operator==(const LossSection&) const = default;
 };
 

@@ -256,7 +256,13 @@ behavior reference_actor(stateful_actor<ReferenceState>* self, const GraphSpec* 
 }
 
 struct TrainerState {
-  std::unique_ptr<Trainer> trainer;
+  std::unique_ptr<Trainer> trainer;  // grpo
+  std::unique_ptr<PpoTrainer> ppo;   // ppo: the policy with its value head
+  // The policy version counts trained batches (steps), whatever num_iterations optimizer
+  // steps each one takes, so max_staleness is in the same unit as the credits.
+  int64_t policy_version = 0;
+  int64_t version() const { return policy_version; }
+  Transformer& model() { return ppo ? ppo->model() : trainer->model(); }
   std::ofstream failures;  // run_dir/failures.jsonl: one line per failed group
   std::map<int64_t, std::vector<RolloutGroup>> buffer;  // credit batch -> its finished groups
   int64_t next_batch = 0;
@@ -303,7 +309,7 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
   return j;
 }
 
-void save_checkpoint(const GraphSpec& spec, Trainer& trainer, int64_t step) {
+void save_checkpoint(const GraphSpec& spec, TrainerState& trainer, int64_t step) {
   if (spec.run_dir.empty()) return;
   auto dir = spec.run_dir / "checkpoints" / ("step_" + std::to_string(step));
   LoadedModel m{spec.model_config, trainer.model(), std::nullopt, nullptr, spec.model_source};
@@ -314,6 +320,7 @@ void save_checkpoint(const GraphSpec& spec, Trainer& trainer, int64_t step) {
     save_peft_adapter(*trainer.model(), *spec.lora, dir / "adapter", spec.model_source.string());
   }
   save_hf_dir(m, dir);
+  if (trainer.ppo) trainer.ppo->save_value_head(dir / "value_head.safetensors");
   std::ofstream(dir / "trainer_state.json") << nlohmann::json{{"step", step}, {"policy_version", trainer.version()}}.dump(2)
                                             << "\n";
 }
@@ -323,7 +330,10 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
   report_failures(self, outcome, "trainer");
   use_threads(spec->trainer_threads);
   auto policy = spec->make_policy();
-  if (spec->lora) {
+  if (spec->ppo) {
+    if (spec->lora) throw Error("ppo with LoRA adapters is not supported yet");
+    self->state.ppo = std::make_unique<PpoTrainer>(policy, *spec->ppo, spec->seed);
+  } else if (spec->lora) {
     attach_lora(*policy, *spec->lora, spec->seed);
     self->state.trainer = std::make_unique<Trainer>(policy, spec->trainer, lora_parameters(*policy));
   } else {
@@ -342,7 +352,7 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
       std::vector<RolloutGroup> groups, failed;
       for (auto& g : it->second) (g.error.empty() ? groups : failed).push_back(std::move(g));
       st.buffer.erase(it);
-      const int64_t t = st.trainer->version();
+      const int64_t t = st.version();
       const int64_t step = st.next_batch + 1;
       // The bound the credits were sized for: a group made by version v trains at t - v <= eta.
       for (const auto& g : groups) {
@@ -363,18 +373,31 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
       // With every group of the batch failed there is nothing to learn from: the step passes
       // without an optimizer step, so the version (and the weights generators hold) stay put.
       std::optional<StepMetrics> metrics;
-      if (!groups.empty()) metrics = st.trainer->grpo_step(groups);
+      nlohmann::json extra = nlohmann::json::object();
+      if (!groups.empty() && st.ppo) {
+        auto p = st.ppo->step(groups);
+        metrics = StepMetrics{.loss = p.loss, .kl = p.kl, .clip_fraction = p.clip_fraction,
+                              .behaviour_weight = p.behaviour_weight, .grad_norm = p.grad_norm, .lr = p.lr,
+                              .reward_mean = p.reward_mean, .tokens = p.tokens, .sequences = p.sequences};
+        extra = {{"policy_loss", p.policy_loss}, {"value_loss", p.value_loss},
+                 {"value_clip_fraction", p.value_clip_fraction}, {"explained_variance", p.explained_variance},
+                 {"returns/mean", p.returns_mean}, {"values/mean", p.values_mean}};
+      } else if (!groups.empty()) {
+        metrics = st.trainer->grpo_step(groups);
+      }
+      if (metrics) ++st.policy_version;
       // Weights go out before the report: the controller forwards them to the generators
       // ahead of the prompts it releases in answer, so new prompts meet new weights.
       if (metrics && step % spec->sync_every == 0 && step < spec->steps)
-        self->send(controller, WeightsUpdate{st.trainer->version(), to_records(merged_state_dict(*st.trainer->model()))});
+        self->send(controller, WeightsUpdate{st.version(), to_records(merged_state_dict(*st.model()))});
       if (step == spec->steps || (spec->checkpoint_every > 0 && step % spec->checkpoint_every == 0))
-        save_checkpoint(*spec, *st.trainer, step);
+        save_checkpoint(*spec, st, step);
       st.idle_since = Clock::now();
       double step_s = std::chrono::duration<double>(st.idle_since - start).count();
       auto j = step_metrics(metrics, groups, t, step_s, wait_s);
       j["step"] = step;
-      j["policy_version"] = st.trainer->version();
+      j["policy_version"] = st.version();
+      j.update(extra);
       j["rollouts/trained"] = groups.size();
       j["rollouts/failed"] = failed.size();
       {

@@ -21,6 +21,7 @@
 #include "policy/tokenizer.hpp"
 #include "policy/transformer.hpp"
 #include "reward/registry.hpp"
+#include "trainer/ppo.hpp"
 #include "trainer/trainer.hpp"
 
 namespace troupe {
@@ -34,6 +35,9 @@ struct GraphSpec {
   std::shared_ptr<const CombinedReward> reward;
 
   TrainerConfig trainer;
+  // recipe ppo: the trainer is a PpoTrainer (value head on the trunk, GAE, clipped value loss)
+  // instead of GRPO's; trainer.optimizer, micro_batch and logprob_chunk are taken from `trainer`.
+  std::optional<PpoConfig> ppo;
   // LoRA: the trainer trains adapters only; generators receive the merged weights.
   std::optional<LoraConfig> lora;
   uint64_t seed = 0;  // the adapters' initialisation

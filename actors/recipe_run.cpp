@@ -20,8 +20,10 @@ torch::Dtype dtype_of(ModelDtype d) { return d == ModelDtype::bfloat16 ? torch::
 TrainerConfig trainer_config(const RunConfig& c) {
   const auto& t = c.trainer;
   TrainerConfig out;
-  out.optimizer = {.lr = t.lr, .weight_decay = t.weight_decay, .warmup_steps = t.warmup_steps,
-                   .total_steps = t.steps, .min_lr_ratio = t.min_lr_ratio, .max_grad_norm = t.max_grad_norm};
+  // Each step takes num_iterations optimizer steps (GRPO's and PPO's epochs over a batch).
+  out.optimizer = {.lr = t.lr, .weight_decay = t.weight_decay, .warmup_steps = t.warmup_steps * t.num_iterations,
+                   .total_steps = t.steps * t.num_iterations, .min_lr_ratio = t.min_lr_ratio,
+                   .max_grad_norm = t.max_grad_norm};
   out.loss = {.epsilon = t.loss.epsilon, .epsilon_high = t.loss.epsilon_high, .beta = t.loss.beta,
               .behaviour_cap = t.loss.behaviour_cap,
               .aggregation = static_cast<grpo::Aggregation>(static_cast<int>(t.loss.aggregation)),

@@ -98,8 +98,6 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
     case Recipe::lora: return run_sft(c, stop_requested);
     case Recipe::dpo: return run_dpo(c, stop_requested);
     case Recipe::ppo:
-      throw Error(c.origin.at("recipe") + ": recipe 'ppo' is not wired into troupe run yet (its trainer is being built); "
-                  "use grpo, sft, lora or dpo");
     case Recipe::grpo: break;
   }
   if (!c.resume.empty())
@@ -131,6 +129,16 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
   spec.reward = reward;
   spec.trainer = trainer_config(c);
   spec.lora = recipe::lora_config(c);
+  if (c.recipe == Recipe::ppo) {
+    const auto& l = c.trainer.loss;
+    spec.ppo = PpoConfig{.optimizer = spec.trainer.optimizer, .gamma = l.gamma, .lambda = l.lambda, .kl_coef = l.beta,
+                         .value_clip = l.value_clip, .vf_coef = l.vf_coef, .epsilon = l.epsilon,
+                         .epsilon_high = l.epsilon_high, .behaviour_cap = l.behaviour_cap,
+                         .whiten_advantages = l.whiten_advantages,
+                         .mask_truncated_completions = c.trainer.mask_truncated_completions,
+                         .num_iterations = c.trainer.num_iterations, .micro_batch = c.trainer.micro_batch,
+                         .logprob_chunk = c.trainer.logprob_chunk};
+  }
   spec.seed = c.run.seed;
   spec.batch_groups = c.trainer.batch_groups;
   spec.steps = c.trainer.steps;
