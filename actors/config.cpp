@@ -661,6 +661,10 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   ref.get("path", c.reference.path);
   ref.check(!c.reference.path.empty(), "path", "must not be empty (absent: model.path)");
 
+  // An RL checkpoint is resumable only where the generators hold its weights: after a sync.
+  if (c.recipe == Recipe::grpo || c.recipe == Recipe::ppo)
+    top.map("run").check(c.run.checkpoint_every % c.async.sync_every == 0, "checkpoint_every",
+                         "must be a multiple of async.sync_every = " + fmt(c.async.sync_every) + got(c.run.checkpoint_every));
   if (!data_seeded) c.data.seed = c.run.seed;
   if ((c.recipe == Recipe::grpo || c.recipe == Recipe::ppo) && c.rewards.empty())
     top.fail("rewards", "required: at least one reward for recipe " + std::string(to_string(c.recipe)) +

@@ -8,11 +8,14 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <variant>
 
 #include <torch/torch.h>
 
 #include "policy/checkpoint.hpp"
 #include "policy/error.hpp"
+#include "policy/safetensors.hpp"
+#include "policy/seed.hpp"
 
 namespace troupe {
 
@@ -122,7 +125,23 @@ struct GeneratorState {
   std::unique_ptr<Engine> engine;
   std::map<uint64_t, Pending> pending;  // engine request id -> the prompt and its finished samples
   bool stepping = false;
+  // Deterministic mode: what arrived while the engine was busy, applied in arrival order once
+  // it is idle, so each batch meets exactly the weights sent before it.
+  std::deque<std::variant<PromptBatch, WeightsUpdate>> deferred;
 };
+
+// The weights a generator or the trainer continues from: the checkpoint's (merged, for LoRA).
+std::map<std::string, torch::Tensor> checkpoint_weights(const GraphResume& r) {
+  return read_safetensors(safetensors::Checkpoint::open_dir(r.dir));
+}
+
+// Each prompt's samples come from its own seed, so they depend on the run's seed and the
+// prompt's ticket, not on which generator drew it or what was batched alongside.
+SamplingParams sampling_for(const GraphSpec& spec, const PromptItem& p) {
+  SamplingParams params = spec.sampling;
+  params.seed = mix_seed(spec.seed, static_cast<uint64_t>(p.ticket));
+  return params;
+}
 
 RolloutGroup make_group(Pending& p) {
   RolloutGroup g;
@@ -146,6 +165,7 @@ behavior generator_actor(stateful_actor<GeneratorState>* self, const GraphSpec* 
   report_failures(self, outcome, "generator " + std::to_string(index));
   use_threads(spec->generator_threads);
   self->state.engine = std::make_unique<Engine>(spec->make_policy(), spec->tokenizer, spec->engine);
+  if (spec->resume) self->state.engine->update_weights(checkpoint_weights(*spec->resume), spec->resume->policy_version);
   // Steps go through the mailbox, so weight updates are applied between decode steps.
   auto kick = [=] {
     if (!self->state.stepping) {
@@ -153,14 +173,35 @@ behavior generator_actor(stateful_actor<GeneratorState>* self, const GraphSpec* 
       self->send(self, step_atom::value);
     }
   };
+  auto admit = [=](PromptBatch& batch) {
+    for (auto& p : batch.prompts) {
+      auto id = self->state.engine->add_request(p.ids, sampling_for(*spec, p));
+      Pending pending{std::move(p), std::vector<Completion>(spec->sampling.n), 0};
+      self->state.pending.emplace(id, std::move(pending));
+    }
+    kick();
+  };
+  auto busy = [=] { return spec->deterministic && (self->state.engine->has_work() || !self->state.deferred.empty()); };
+  // Deterministic mode, once idle: weights and prompts in arrival order, up to the next batch.
+  auto drain = [=] {
+    auto& st = self->state;
+    while (!st.deferred.empty() && !st.engine->has_work()) {
+      auto next_item = std::move(st.deferred.front());
+      st.deferred.pop_front();
+      if (auto* update = std::get_if<WeightsUpdate>(&next_item)) {
+        st.engine->update_weights(from_records(update->tensors), update->version);
+      } else {
+        admit(std::get<PromptBatch>(next_item));
+      }
+    }
+  };
   return {
       [=](PromptBatch& batch) {
-        for (auto& p : batch.prompts) {
-          auto id = self->state.engine->add_request(p.ids, spec->sampling);
-          Pending pending{std::move(p), std::vector<Completion>(spec->sampling.n), 0};
-          self->state.pending.emplace(id, std::move(pending));
+        if (busy()) {
+          self->state.deferred.emplace_back(std::move(batch));
+        } else {
+          admit(batch);
         }
-        kick();
       },
       [=](step_atom) {
         auto& st = self->state;
@@ -174,13 +215,20 @@ behavior generator_actor(stateful_actor<GeneratorState>* self, const GraphSpec* 
             st.pending.erase(it);
           }
         }
+        if (!st.engine->has_work()) drain();
         if (st.engine->has_work()) {
           self->send(self, step_atom::value);
         } else {
           st.stepping = false;
         }
       },
-      [=](const WeightsUpdate& update) { self->state.engine->update_weights(from_records(update.tensors), update.version); },
+      [=](WeightsUpdate& update) {
+        if (busy()) {
+          self->state.deferred.emplace_back(std::move(update));
+        } else {
+          self->state.engine->update_weights(from_records(update.tensors), update.version);
+        }
+      },
   };
 }
 
@@ -199,7 +247,11 @@ behavior remote_generator_actor(stateful_actor<RemoteGeneratorState>* self, cons
   };
   // The server loaded its model from its own files; the run starts from the trainer's
   // weights (which may differ, e.g. after an SFT warm-up), so version 0 is pushed first.
-  push(state_dict(*spec->make_policy()), 0);
+  if (spec->resume) {
+    push(checkpoint_weights(*spec->resume), spec->resume->policy_version);
+  } else {
+    push(state_dict(*spec->make_policy()), 0);
+  }
   return {
       [=](PromptBatch& batch) {
         std::vector<std::vector<int32_t>> prompts;
@@ -267,6 +319,14 @@ struct TrainerState {
   std::map<int64_t, std::vector<RolloutGroup>> buffer;  // credit batch -> its finished groups
   int64_t next_batch = 0;
   Clock::time_point idle_since = Clock::now();
+  // Checkpoints whose weights are written but whose outstanding rollouts are still arriving.
+  struct PendingCheckpoint {
+    std::filesystem::path dir;
+    int64_t step = 0, policy_version = 0;
+    int64_t begin = 0, end = 0;  // the batches released before the checkpoint and not yet trained
+    std::vector<RolloutGroup> groups;
+  };
+  std::vector<PendingCheckpoint> pending_checkpoints;
 };
 
 // Metrics of a step; `m` is empty when every group failed, and the loss and rewards are then null.
@@ -309,9 +369,40 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
   return j;
 }
 
-void save_checkpoint(const GraphSpec& spec, TrainerState& trainer, int64_t step) {
-  if (spec.run_dir.empty()) return;
-  auto dir = spec.run_dir / "checkpoints" / ("step_" + std::to_string(step));
+// Rollout groups as msgpack (doubles hold floats exactly), for the groups a checkpoint keeps.
+nlohmann::json to_json(const RolloutGroup& g) {
+  return {{"prompt_id", g.prompt_id}, {"batch", g.batch}, {"prompt_ids", g.prompt_ids},
+          {"completion_ids", g.completion_ids}, {"behaviour_logprobs", g.behaviour_logprobs},
+          {"reference_logprobs", g.reference_logprobs}, {"min_version", g.min_version},
+          {"max_version", g.max_version}, {"truncated", g.truncated}, {"rewards", g.rewards},
+          {"reward", g.reward}, {"metadata", g.metadata}, {"ticket", g.ticket}, {"error", g.error}};
+}
+
+RolloutGroup group_from_json(const nlohmann::json& j) {
+  RolloutGroup g;
+  j.at("prompt_id").get_to(g.prompt_id);
+  j.at("batch").get_to(g.batch);
+  j.at("prompt_ids").get_to(g.prompt_ids);
+  j.at("completion_ids").get_to(g.completion_ids);
+  j.at("behaviour_logprobs").get_to(g.behaviour_logprobs);
+  j.at("reference_logprobs").get_to(g.reference_logprobs);
+  j.at("min_version").get_to(g.min_version);
+  j.at("max_version").get_to(g.max_version);
+  j.at("truncated").get_to(g.truncated);
+  j.at("rewards").get_to(g.rewards);
+  j.at("reward").get_to(g.reward);
+  j.at("metadata").get_to(g.metadata);
+  j.at("ticket").get_to(g.ticket);
+  j.at("error").get_to(g.error);
+  if (g.behaviour_logprobs.size() != g.completion_ids.size() || g.min_version.size() != g.completion_ids.size())
+    throw Error("a rollout group's per-completion fields disagree in length");
+  return g;
+}
+
+// The part of a checkpoint that can be written at once: the weights (merged, plus the PEFT
+// adapter with LoRA), the optimizer, LibTorch's RNG and PPO's value head. trainer_state.json,
+// which marks the checkpoint complete, follows once its outstanding rollouts are in.
+void save_weights(const GraphSpec& spec, TrainerState& trainer, const std::filesystem::path& dir) {
   LoadedModel m{spec.model_config, trainer.model(), std::nullopt, nullptr, spec.model_source};
   if (spec.lora) {
     // The exported model has the adapters folded in; the PEFT adapter goes next to it.
@@ -320,9 +411,41 @@ void save_checkpoint(const GraphSpec& spec, TrainerState& trainer, int64_t step)
     save_peft_adapter(*trainer.model(), *spec.lora, dir / "adapter", spec.model_source.string());
   }
   save_hf_dir(m, dir);
-  if (trainer.ppo) trainer.ppo->save_value_head(dir / "value_head.safetensors");
-  std::ofstream(dir / "trainer_state.json") << nlohmann::json{{"step", step}, {"policy_version", trainer.version()}}.dump(2)
-                                            << "\n";
+  if (trainer.ppo) {
+    trainer.ppo->save_value_head(dir / "value_head.safetensors");
+  } else {
+    trainer.trainer->save_state(dir / "optimizer.pt");
+  }
+  torch::save(at::detail::getDefaultCPUGenerator().get_state(), (dir / "rng.pt").string());
+}
+
+void finish_checkpoint(const GraphSpec& spec, TrainerState::PendingCheckpoint& c) {
+  std::sort(c.groups.begin(), c.groups.end(), [](const auto& a, const auto& b) { return a.ticket < b.ticket; });
+  nlohmann::json groups = nlohmann::json::array();
+  for (const auto& g : c.groups) groups.push_back(to_json(g));
+  auto bytes = nlohmann::json::to_msgpack(groups);
+  std::ofstream(c.dir / "rollouts.msgpack", std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  nlohmann::json state{{"recipe", spec.recipe}, {"model", spec.model_source.string()}, {"step", c.step},
+                       {"policy_version", c.policy_version}, {"rollout_batches", {c.begin, c.end}},
+                       {"rollouts", "rollouts.msgpack"}};
+  std::ofstream(c.dir / "trainer_state.json") << state.dump(2) << "\n";
+}
+
+// Copies the groups pending checkpoints wait for; finishes those that have them all.
+void keep_for_checkpoints(const GraphSpec& spec, TrainerState& st, const RolloutGroup* g) {
+  for (auto& c : st.pending_checkpoints)
+    if (g && g->batch >= c.begin && g->batch < c.end) c.groups.push_back(*g);
+  std::erase_if(st.pending_checkpoints, [&](auto& c) {
+    if (static_cast<int64_t>(c.groups.size()) < (c.end - c.begin) * spec.batch_groups) return false;
+    finish_checkpoint(spec, c);
+    return true;
+  });
+}
+
+// Batches released before step `step` reported and not trained by then: [step, end). With
+// sync_every k the controller keeps eta - k + 2 batches out (see the credits there).
+int64_t outstanding_end(const GraphSpec& spec, int64_t step) {
+  return std::min(spec.steps, step + spec.max_staleness - spec.sync_every + 1);
 }
 
 behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec, actor controller,
@@ -343,12 +466,35 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
     std::filesystem::create_directories(spec->run_dir);
     self->state.failures.open(spec->run_dir / "failures.jsonl", std::ios::app);
   }
+  if (spec->resume) {
+    const auto& r = *spec->resume;
+    auto& st = self->state;
+    if (spec->lora) {
+      load_peft_adapter(*policy, r.dir / "adapter");
+    } else {
+      load_weights(*policy, checkpoint_weights(r), r.dir.string());
+    }
+    if (st.trainer) st.trainer->load_state(r.dir / "optimizer.pt");
+    torch::Tensor rng;
+    torch::load(rng, (r.dir / "rng.pt").string());
+    auto generator = at::detail::getDefaultCPUGenerator();  // a handle: set_state needs a non-const one
+    generator.set_state(rng);
+    st.policy_version = r.policy_version;
+    st.next_batch = r.step;
+    std::lock_guard lock(outcome->mu);
+    for (const auto& g : r.groups) {
+      st.buffer[g.batch].push_back(g);
+      outcome->issued.push_back(g.ticket);
+    }
+  }
   auto train_ready = [=] {
     auto& st = self->state;
     for (auto it = st.buffer.find(st.next_batch);
          it != st.buffer.end() && static_cast<int64_t>(it->second.size()) >= spec->batch_groups;
          it = st.buffer.find(st.next_batch)) {
       // A batch is complete when every group handed out for it has come back, trained or failed.
+      // In ticket order, so the step does not depend on the order groups arrived in.
+      std::sort(it->second.begin(), it->second.end(), [](const auto& a, const auto& b) { return a.ticket < b.ticket; });
       std::vector<RolloutGroup> groups, failed;
       for (auto& g : it->second) (g.error.empty() ? groups : failed).push_back(std::move(g));
       st.buffer.erase(it);
@@ -390,8 +536,16 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
       // ahead of the prompts it releases in answer, so new prompts meet new weights.
       if (metrics && step % spec->sync_every == 0 && step < spec->steps)
         self->send(controller, WeightsUpdate{st.version(), to_records(merged_state_dict(*st.model()))});
-      if (step == spec->steps || (spec->checkpoint_every > 0 && step % spec->checkpoint_every == 0))
-        save_checkpoint(*spec, st, step);
+      if (!spec->run_dir.empty() &&
+          (step == spec->steps || (spec->checkpoint_every > 0 && step % spec->checkpoint_every == 0))) {
+        TrainerState::PendingCheckpoint c{spec->run_dir / "checkpoints" / ("step_" + std::to_string(step)), step,
+                                          st.version(), step, outstanding_end(*spec, step), {}};
+        save_weights(*spec, st, c.dir);
+        for (const auto& [batch, held] : st.buffer)
+          if (batch >= c.begin && batch < c.end) c.groups.insert(c.groups.end(), held.begin(), held.end());
+        st.pending_checkpoints.push_back(std::move(c));
+        keep_for_checkpoints(*spec, st, nullptr);
+      }
       st.idle_since = Clock::now();
       double step_s = std::chrono::duration<double>(st.idle_since - start).count();
       auto j = step_metrics(metrics, groups, t, step_s, wait_s);
@@ -409,7 +563,9 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
       ++st.next_batch;
     }
   };
+  if (spec->resume) train_ready();
   return {[=](RolloutGroup& g) {
+    keep_for_checkpoints(*spec, self->state, &g);
     self->state.buffer[g.batch].push_back(std::move(g));
     train_ready();
   }};
@@ -420,7 +576,6 @@ struct ControllerState {
   std::vector<actor> generators;
   std::vector<actor> all;
   int64_t issued = 0;  // credit batches handed out
-  size_t next_generator = 0;
   bool shutting_down = false;
   std::ofstream metrics;
 };
@@ -492,14 +647,19 @@ behavior controller_actor(stateful_actor<ControllerState>* self, const GraphSpec
     const int64_t k = st.issued++;
     self->request(st.data, infinite, next_atom::value, spec->batch_groups, k).then([=](PromptBatch& batch) {
       auto& st = self->state;
-      // Spread the batch over the generators, one slice each, round robin.
+      // Spread the batch over the generators by ticket, so each one's share does not depend
+      // on how many batches came before (a resumed run splits as the original did).
       std::vector<PromptBatch> parts(st.generators.size());
-      for (auto& p : batch.prompts) parts[st.next_generator++ % parts.size()].prompts.push_back(std::move(p));
+      for (auto& p : batch.prompts) parts[p.ticket % parts.size()].prompts.push_back(std::move(p));
       for (size_t g = 0; g < parts.size(); ++g)
         if (!parts[g].prompts.empty()) self->send(st.generators[g], std::move(parts[g]));
     });
   };
-  for (int64_t k = 0; k < std::min(spec->steps, spec->max_staleness - spec->sync_every + 2); ++k) release();
+  // Resuming after step s, batches [s, first_new_batch) come from the checkpoint; what step s's
+  // report released comes next, generated anew by the checkpoint's weights.
+  const int64_t start = spec->resume ? spec->resume->step : 0;
+  st.issued = spec->resume ? spec->resume->first_new_batch : 0;
+  while (st.issued < std::min(spec->steps, start + spec->max_staleness - spec->sync_every + 2)) release();
   self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
 
   return {
@@ -539,6 +699,40 @@ behavior controller_actor(stateful_actor<ControllerState>* self, const GraphSpec
 
 }  // namespace
 
+GraphResume read_graph_checkpoint(const std::filesystem::path& dir) {
+  auto file = dir / "trainer_state.json";
+  auto state = nlohmann::json::parse(std::ifstream(file), nullptr, false);
+  const char* expected = " (expected step, policy_version, rollout_batches and rollouts from an RL run's checkpoint)";
+  if (state.is_discarded() || !state.is_object() || !state.contains("rollout_batches") || !state.contains("rollouts"))
+    throw Error(file.string() + ": not a checkpoint of the actor graph" + expected);
+  GraphResume r;
+  r.dir = dir;
+  try {
+    r.step = state.at("step").get<int64_t>();
+    r.policy_version = state.at("policy_version").get<int64_t>();
+    r.first_new_batch = state.at("rollout_batches").at(1).get<int64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(file.string() + ": " + e.what() + expected);
+  }
+  auto rollouts = dir / state["rollouts"].get<std::string>();
+  std::ifstream in(rollouts, std::ios::binary);
+  if (!in) throw Error(rollouts.string() + ": cannot open the checkpoint's buffered rollouts");
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto groups = nlohmann::json::from_msgpack(bytes, true, false);
+  if (groups.is_discarded() || !groups.is_array()) throw Error(rollouts.string() + ": not a msgpack array of rollout groups");
+  for (size_t i = 0; i < groups.size(); ++i) {
+    try {
+      r.groups.push_back(group_from_json(groups[i]));
+    } catch (const std::exception& e) {
+      throw Error(rollouts.string() + ": group " + std::to_string(i) + ": " + e.what());
+    }
+    if (r.groups.back().batch < r.step || r.groups.back().batch >= r.first_new_batch)
+      throw Error(rollouts.string() + ": group " + std::to_string(i) + " belongs to batch " +
+                  std::to_string(r.groups.back().batch) + ", outside the checkpoint's rollout_batches");
+  }
+  return r;
+}
+
 GraphResult run_graph(const GraphSpec& spec) {
   if (!spec.make_policy || !spec.next_prompts || !spec.reward) throw Error("run_graph: the spec needs a policy, a data source and a reward");
   if (spec.batch_groups < 1 || spec.steps < 1 || spec.generators < 1 || spec.max_staleness < 0 || spec.sync_every < 1)
@@ -551,6 +745,21 @@ GraphResult run_graph(const GraphSpec& spec) {
   if (spec.sync_every > spec.max_staleness + 1)
     throw Error("run_graph: sync_every " + std::to_string(spec.sync_every) + " would break max_staleness " +
                 std::to_string(spec.max_staleness) + " (needs sync_every <= max_staleness + 1)");
+  // Generators hold the checkpoint's weights only at steps where weights were sent.
+  if (spec.checkpoint_every % spec.sync_every != 0)
+    throw Error("run_graph: checkpoint_every " + std::to_string(spec.checkpoint_every) + " must be a multiple of sync_every " +
+                std::to_string(spec.sync_every));
+  if (spec.resume) {
+    const auto& r = *spec.resume;
+    if (r.step >= spec.steps) throw Error(r.dir.string() + ": the checkpoint is at step " + std::to_string(r.step) +
+                                          ", the run has only " + std::to_string(spec.steps) + " steps: nothing to do");
+    if (r.first_new_batch != outstanding_end(spec, r.step) ||
+        static_cast<int64_t>(r.groups.size()) != (r.first_new_batch - r.step) * spec.batch_groups)
+      throw Error(r.dir.string() + ": the checkpoint holds " + std::to_string(r.groups.size()) + " rollout groups of batches [" +
+                  std::to_string(r.step) + ", " + std::to_string(r.first_new_batch) + "), which does not match this run's " +
+                  "trainer.steps, trainer.batch_groups, async.max_staleness and async.sync_every");
+    if (spec.ppo) throw Error(r.dir.string() + ": resuming recipe ppo is not supported yet (its optimizer state is not saved)");
+  }
   auto outcome = std::make_shared<Outcome>();
   {
     actor_system_config config;

@@ -26,6 +26,19 @@
 
 namespace troupe {
 
+// A graph checkpoint to continue from: runs/NAME/checkpoints/step_N with trainer_state.json.
+struct GraphResume {
+  std::filesystem::path dir;
+  int64_t step = 0;            // steps trained; the next one trains batch `step`
+  int64_t policy_version = 0;
+  // The rollout groups that were buffered or in flight (batches [step, first_new_batch)),
+  // made by weights older than the checkpoint's; every later batch is generated anew.
+  std::vector<RolloutGroup> groups;
+  int64_t first_new_batch = 0; // the data source resumes at first_new_batch * batch_groups prompts
+};
+
+// Reads `dir`'s trainer_state.json and rollouts; throws Error naming the file when it is not a
+// complete graph checkpoint.
 struct GraphSpec {
   // Each generator, the trainer and the reference get their own copy of the weights.
   std::function<Transformer()> make_policy;
@@ -69,7 +82,18 @@ struct GraphSpec {
 
   std::function<void(const nlohmann::json&)> on_step;  // sees every step's metrics
   const std::atomic<bool>* stop_requested = nullptr;   // e.g. set by SIGINT: shut down cleanly
+
+  // run.deterministic: a generator takes new weights and new prompts only once it has finished
+  // what it holds, so batch k is generated entirely by version max(0, k - eta) (with
+  // sync_every 1), and groups train in ticket order: the run does not depend on timing.
+  bool deterministic = false;
+  std::string recipe = "grpo";  // written into trainer_state.json, checked on resume
+  // Where to continue from. make_policy still builds the starting policy (the reference, and
+  // LoRA's base); the trainer and generators then take the checkpoint's weights.
+  std::optional<GraphResume> resume;
 };
+
+GraphResume read_graph_checkpoint(const std::filesystem::path& dir);
 
 struct GraphResult {
   bool ok = false;

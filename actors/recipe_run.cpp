@@ -104,19 +104,23 @@ std::vector<int64_t> DataOrder::next(int64_t k) {
   return out;
 }
 
+void keep_steps_up_to(const std::filesystem::path& file, int64_t step) {
+  if (!std::filesystem::exists(file)) return;
+  std::vector<std::string> kept;
+  std::ifstream in(file);
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.contains("step") && j["step"].is_number() && j["step"].get<int64_t>() <= step)
+      kept.push_back(line);
+  }
+  std::ofstream out(file, std::ios::trunc);
+  for (const auto& line : kept) out << line << "\n";
+}
+
 RunFolder::RunFolder(const RunConfig& c, int64_t resumed_step) : c_(c), dir_(c.run.dir) {
   std::filesystem::create_directories(dir_);
   std::ofstream(dir_ / "config.yaml") << to_yaml(c);
-  if (resumed_step > 0) {
-    std::vector<std::string> kept;
-    std::ifstream in(dir_ / "metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto j = nlohmann::json::parse(line, nullptr, false);
-      if (!j.is_discarded() && j.contains("step") && j["step"].get<int64_t>() <= resumed_step) kept.push_back(line);
-    }
-    std::ofstream out(dir_ / "metrics.jsonl", std::ios::trunc);
-    for (const auto& line : kept) out << line << "\n";
-  }
+  if (resumed_step > 0) keep_steps_up_to(dir_ / "metrics.jsonl", resumed_step);
   metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
   if (!metrics_) throw Error((dir_ / "metrics.jsonl").string() + ": cannot open for writing (run.dir)");
 }

@@ -75,6 +75,10 @@ class DataOrder {
   std::vector<int64_t> order_;
 };
 
+// Keeps the lines of a JSONL file (metrics.jsonl, failures.jsonl) whose "step" is at most
+// `step` and drops the rest: steps an interrupted run made after its last checkpoint are made again.
+void keep_steps_up_to(const std::filesystem::path& file, int64_t step);
+
 // runs/NAME: the resolved config, metrics.jsonl, a progress line per log_every steps, and
 // checkpoints (a Hugging Face folder of the merged weights, the PEFT adapter with LoRA, and
 // the optimizer state) every checkpoint_every steps and at the end.

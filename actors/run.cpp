@@ -100,9 +100,18 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
     case Recipe::ppo:
     case Recipe::grpo: break;
   }
-  if (!c.resume.empty())
-    throw Error(c.origin.at("resume") + ": resume is implemented for sft, lora and dpo; a grpo run cannot continue "
-                "from a checkpoint yet (its buffered rollouts and generator state are not saved)");
+  // First: a wrong checkpoint fails before any loading.
+  std::optional<GraphResume> resume;
+  if (auto found = recipe::find_resume(c)) {
+    if (c.recipe == Recipe::ppo)
+      throw Error(c.origin.at("resume") + ": resume: recipe ppo cannot continue from a checkpoint yet (its optimizer "
+                  "state is not saved); grpo, sft, lora and dpo can");
+    resume = read_graph_checkpoint(found->dir);
+  }
+  // One seed for LibTorch's generator (LoRA dropout); deterministic mode also refuses kernels
+  // without a deterministic implementation.
+  torch::manual_seed(c.run.seed);
+  if (c.run.deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
 
   auto tokenizer = Tokenizer::load(c.model.path);
   auto source = std::make_shared<PromptSource>(c.data.train.path, tokenizer,
@@ -110,6 +119,8 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
   auto reward = std::make_shared<CombinedReward>(make_combined_reward(to_reward_specs(c)));
   auto model_config = load_model(c.model.path, {.tokenizer = false}).config;
 
+  // The starting policy, also on resume: the reference and LoRA's base are made from it
+  // (the warm-up is deterministic, so it is made again rather than stored).
   std::optional<std::map<std::string, torch::Tensor>> start;
   if (c.trainer.sft_warmup) start = sft_warmup(c, tokenizer);
 
@@ -161,9 +172,20 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
   spec.model_config = model_config;
   spec.checkpoint_every = c.run.checkpoint_every;
   spec.stop_requested = stop_requested;
+  spec.deterministic = c.run.deterministic;
+  spec.recipe = std::string(to_string(c.recipe));
 
   std::filesystem::create_directories(spec.run_dir);
   std::ofstream(spec.run_dir / "config.yaml") << to_yaml(c);
+  if (resume) {
+    // The prompts of every batch released before the checkpoint are behind the data cursor.
+    source->next(resume->first_new_batch * spec.batch_groups);
+    recipe::keep_steps_up_to(spec.run_dir / "metrics.jsonl", resume->step);
+    recipe::keep_steps_up_to(spec.run_dir / "failures.jsonl", resume->step);
+    std::cout << "troupe run: resumed from " << resume->dir.string() << " (step " << resume->step << ", "
+              << resume->groups.size() << " buffered rollout groups)" << std::endl;
+    spec.resume = std::move(resume);
+  }
   return run_graph(spec);
 }
 
