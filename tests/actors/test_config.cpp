@@ -198,6 +198,8 @@ TEST_CASE("each kind of bad input names file, line and key") {
   CHECK(error_of(kBase + "run: {seed: -1}\n") == "configs/x.yaml:15: run.seed: expected a non-negative integer, got \"-1\"");
   // Out of range.
   CHECK(error_of(with_line(12, "  lr: -1")) == "configs/x.yaml:12: trainer.lr: must be > 0, got -1");
+  CHECK(error_of(kBase, {"async.max_staleness=2", "async.sync_every=2", "run.checkpoint_every=5"}) ==
+        "configs/x.yaml, override 'run.checkpoint_every=5': run.checkpoint_every: must be a multiple of async.sync_every = 2, got 5");
   CHECK(error_of(with_line(7, "  group_size: 0")) == "configs/x.yaml:7: generator.group_size: must be >= 1, got 0");
   CHECK(error_of(with_line(8, "  top_p: 1.5")) == "configs/x.yaml:8: generator.top_p: must be in (0, 1], got 1.5");
   CHECK(error_of(with_line(13, "  loss: {clip: [0.2, 1.5]}")) ==
