@@ -65,6 +65,16 @@ torch::Tensor truncate(torch::Tensor probs, const SamplingParams& p) {
   return probs;
 }
 
+// A sequence's noise stream on the model's device, so its draws happen where the logits are.
+// On the CPU it is the CPU generator it always was; elsewhere the device's own generator type
+// (Philox on CUDA), seeded the same way: reproducible per device, not across devices.
+at::Generator sample_generator(torch::Device device, uint64_t seed) {
+  if (device.is_cpu()) return at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto gen = at::globalContext().getAcceleratorHooksInterface(device.type()).getNewGenerator(device.index());
+  gen.set_current_seed(seed);
+  return gen;
+}
+
 }  // namespace
 
 Engine::Engine(Transformer model, std::optional<Tokenizer> tokenizer, EngineOptions options)
@@ -134,7 +144,7 @@ uint64_t Engine::add_request(std::vector<int32_t> prompt, SamplingParams params)
     seq->stop_ids = stop_ids;
     uint64_t base = params.seed ? *params.seed : default_generator_.get<at::CPUGeneratorImpl>()->random64();
     seq->seed = mix_seed(base, i);
-    seq->generator = at::make_generator<at::CPUGeneratorImpl>(seq->seed);
+    seq->generator = sample_generator(model_->lm_head_weight().device(), seq->seed);
     waiting_.push_back(std::move(seq));
   }
   return id;
@@ -191,31 +201,53 @@ void Engine::admit() {
 namespace {
 
 // logits [R, V] of the rows to sample -> (ids [R], log-probs [R]) with each row's own generator.
+// Everything runs on the logits' device; only the R ids and log-probs come back to the host.
 std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Tensor& logits,
                                                                  const std::vector<const SamplingParams*>& params,
                                                                  std::vector<at::Generator*>& generators) {
   const int64_t R = static_cast<int64_t>(params.size());
-  auto l = logits.to(torch::kFloat32).cpu();  // (R, V)
+  auto l = logits.to(torch::kFloat32);  // (R, V)
+  const auto device = l.device();
   // Greedy rows report log-probs at temperature 1: the distribution whose mode they take.
   std::vector<float> temperature(R);
   for (int64_t r = 0; r < R; ++r) temperature[r] = params[r]->temperature > 0 ? params[r]->temperature : 1.0f;
-  auto logp = (l / torch::tensor(temperature).unsqueeze(1)).log_softmax(-1);  // (R, V)
+  // non_blocking: a small pageable copy is staged at once, without waiting for the forward pass.
+  auto temperatures = torch::tensor(temperature).to(device, /*non_blocking=*/true).unsqueeze(1);  // (R, 1)
+  auto logp = (l / temperatures).log_softmax(-1);  // (R, V)
   // Gumbel-max: argmax(log p + g), g = -log(-log(u)), draws exactly from p. Each row's noise
   // comes from that sequence's own generator, so samples do not depend on the batch around
   // them; everything else runs on the whole batch at once.
   auto scores = logp.clone();
-  for (int64_t r = 0; r < R; ++r) {
+  auto truncate_row = [&](int64_t r) {
     const SamplingParams& p = *params[r];
-    if (p.temperature <= 0) continue;
-    auto row = scores[r];
     if (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0)
-      row.masked_fill_(truncate(logp[r].exp(), p) == 0, -std::numeric_limits<float>::infinity());
-    auto u = torch::empty_like(row).uniform_(0.0, 1.0, *generators[r]);
-    row.sub_(u.log().neg().log());
+      scores[r].masked_fill_(truncate(logp[r].exp(), p) == 0, -std::numeric_limits<float>::infinity());
+  };
+  if (device.is_cpu()) {
+    for (int64_t r = 0; r < R; ++r) {
+      if (params[r]->temperature <= 0) continue;
+      truncate_row(r);
+      auto row = scores[r];
+      auto u = torch::empty_like(row).uniform_(0.0, 1.0, *generators[r]);
+      row.sub_(u.log().neg().log());
+    }
+  } else {
+    // On an accelerator each op is a kernel launch: draw each row's uniforms into one
+    // buffer, then transform and add the noise for the whole batch in a few launches.
+    auto u = torch::full_like(scores, 0.5);
+    std::vector<uint8_t> sampled(R, 0);
+    for (int64_t r = 0; r < R; ++r) {
+      if (params[r]->temperature <= 0) continue;
+      sampled[r] = 1;
+      truncate_row(r);
+      u[r].uniform_(0.0, 1.0, *generators[r]);
+    }
+    auto sampled_rows = torch::tensor(torch::ArrayRef<uint8_t>(sampled)).to(torch::kBool).to(device, /*non_blocking=*/true);
+    scores = torch::where(sampled_rows.unsqueeze(1), scores - u.log().neg().log(), scores);
   }
-  auto ids_t = scores.argmax(-1);                                       // (R)
-  auto picked = logp.gather(1, ids_t.unsqueeze(1)).squeeze(1).contiguous();  // (R)
-  auto ids_i32 = ids_t.to(torch::kInt32).contiguous();
+  auto ids_t = scores.argmax(-1);                                                   // (R)
+  auto picked = logp.gather(1, ids_t.unsqueeze(1)).squeeze(1).cpu().contiguous();  // (R)
+  auto ids_i32 = ids_t.to(torch::kInt32).cpu().contiguous();
   return {std::vector<int32_t>(ids_i32.data_ptr<int32_t>(), ids_i32.data_ptr<int32_t>() + R),
           std::vector<float>(picked.data_ptr<float>(), picked.data_ptr<float>() + R)};
 }
@@ -291,16 +323,24 @@ void Engine::decode() {
   auto long_opts = torch::TensorOptions().dtype(torch::kLong);
   // Free rows in [0, rows) decode a dummy token at position 0 of their own slot: cheaper
   // than gathering the busy rows' caches, and harmless since a prefill overwrites the slot.
-  std::vector<int64_t> tokens(rows, 0), lengths(rows, 0);
+  std::vector<int64_t> tokens(rows, 0), lengths(rows, 0), busy;
+  std::vector<const SamplingParams*> params;
+  std::vector<at::Generator*> generators;
   int64_t span = 1;
   for (int64_t s = 0; s < rows; ++s) {
     if (!slots_[s]) continue;
     tokens[s] = slots_[s]->ids.back();
     lengths[s] = slots_[s]->cached;
     span = std::max(span, lengths[s] + 1);
+    busy.push_back(s);
+    params.push_back(slots_[s]->params.get());
+    generators.push_back(&slots_[s]->generator);
   }
+  // Every host-to-device copy happens here, before the forward pass is queued: a blocking copy
+  // later would wait for the device to finish it.
   auto ids = torch::tensor(tokens, long_opts).to(device).unsqueeze(1);         // (R, 1)
   auto length = torch::tensor(lengths, long_opts).to(device);                   // (R)
+  auto busy_rows = torch::tensor(busy, long_opts).to(device);                   // (A)
   auto mask = (torch::arange(span, long_opts.device(device)).unsqueeze(0) <= length.unsqueeze(1))
                   .view({rows, 1, 1, span});                                    // (R, 1, 1, span)
   KVCache view;
@@ -311,17 +351,6 @@ void Engine::decode() {
   view.write_index = length;
   view.span = span;
   auto hidden = model_->forward(ids, length.unsqueeze(1), mask, &view);         // (R, 1, H)
-
-  std::vector<int64_t> busy;
-  std::vector<const SamplingParams*> params;
-  std::vector<at::Generator*> generators;
-  for (int64_t s = 0; s < rows; ++s) {
-    if (!slots_[s]) continue;
-    busy.push_back(s);
-    params.push_back(slots_[s]->params.get());
-    generators.push_back(&slots_[s]->generator);
-  }
-  auto busy_rows = torch::tensor(busy, long_opts).to(device);
   auto logits = model_->logits(hidden.select(1, 0).index_select(0, busy_rows));  // (A, V)
   auto [next, logprobs] = sample_rows(logits, params, generators);
   for (size_t i = 0; i < busy.size(); ++i) {
@@ -433,7 +462,7 @@ void Engine::update_weights(const std::map<std::string, torch::Tensor>& weights,
     seq.slot = -1;
     seq.stop_token.reset();
     seq.stop_string.reset();
-    seq.generator = at::make_generator<at::CPUGeneratorImpl>(seq.seed);
+    seq.generator = sample_generator(model_->lm_head_weight().device(), seq.seed);
     waiting_.push_front(std::move(*it));
   }
 }
