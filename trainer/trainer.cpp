@@ -126,6 +126,8 @@ Packed pack(const std::vector<std::pair<const std::vector<int32_t>*, const std::
   auto tm_a = token_mask.accessor<int64_t, 2>();
   auto lm_a = loss_mask.accessor<float, 2>();
   auto mu_a = mu.accessor<float, 2>();
+  std::optional<at::TensorAccessor<float, 2>> ref_a;
+  if (with_ref) ref_a = ref.accessor<float, 2>();
   for (int64_t b = 0; b < B; ++b) {
     const auto& prompt = *seqs[b].first;
     const auto& completion = *seqs[b].second;
@@ -135,7 +137,7 @@ Packed pack(const std::vector<std::pair<const std::vector<int32_t>*, const std::
       ids_a[b][P + t] = completion[t];
       lm_a[b][P + t - 1] = 1;  // position P+t-1 predicts completion token t
       if (!behaviour.empty() && behaviour[b]) mu_a[b][P + t - 1] = (*behaviour[b])[t];
-      if (with_ref) ref[b][P + t - 1] = (*reference[b])[t];
+      if (with_ref) (*ref_a)[b][P + t - 1] = (*reference[b])[t];
     }
     for (int64_t t = 0; t < P + L; ++t) tm_a[b][t] = 1;
   }
