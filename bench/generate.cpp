@@ -12,7 +12,7 @@
 #include "policy/checkpoint.hpp"
 
 int main(int argc, char** argv) {
-  std::string model_path, prompts_path, dtype_name = "float32";
+  std::string model_path, prompts_path, dtype_name = "float32", device_name = "cpu";
   int64_t n = 8, max_tokens = 128, max_batch = 128;
   CLI::App app{"Time troupe's generation engine"};
   app.add_option("--model", model_path)->required();
@@ -21,10 +21,12 @@ int main(int argc, char** argv) {
   app.add_option("--max-tokens", max_tokens);
   app.add_option("--max-batch", max_batch);
   app.add_option("--dtype", dtype_name);
+  app.add_option("--device", device_name, "cpu or cuda[:N]");
   CLI11_PARSE(app, argc, argv);
 
   auto dtype = dtype_name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
-  auto m = troupe::load_model(model_path, {.dtype = dtype, .tokenizer = false});
+  // Timing needs no device sync: every step brings its sampled ids back to the host.
+  auto m = troupe::load_model(model_path, {.dtype = dtype, .device = torch::Device(device_name), .tokenizer = false});
   auto prompts = nlohmann::json::parse(std::ifstream(prompts_path)).get<std::vector<std::vector<int32_t>>>();
   int64_t longest = 0;
   for (const auto& p : prompts) longest = std::max<int64_t>(longest, p.size());

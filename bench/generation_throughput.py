@@ -1,9 +1,9 @@
-"""Generation throughput of SmolLM2-135M-Instruct on CPU: troupe's engine against transformers.
+"""Generation throughput of SmolLM2-135M-Instruct (CPU or --device): troupe's engine against transformers.
 
-python bench/generation_throughput.py [--prompts 16 --n 8 --max-tokens 128]
+python bench/generation_throughput.py [--prompts 16 --n 8 --max-tokens 128] [--device cuda]
 Both sides sample n completions of the same chat-formatted GSM8K prompts (the same token
 ids), at temperature 1, to exactly max-tokens new tokens each (EOS ignored), in float32 on
-the same threads; prints tokens/s for each and the ratio.
+the same threads (or the same GPU); prints tokens/s for each and the ratio.
 """
 import argparse
 import json
@@ -26,6 +26,7 @@ def main():
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both sides")
     args = p.parse_args()
 
     if not os.path.exists(os.path.join(args.work, "config.json")):
@@ -40,27 +41,35 @@ def main():
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     out = subprocess.run([args.bench, "--model", args.work, "--prompts", f.name, "--n", str(args.n),
-                          "--max-tokens", str(args.max_tokens), "--max-batch", str(args.prompts * args.n)],
+                          "--max-tokens", str(args.max_tokens), "--max-batch", str(args.prompts * args.n),
+                          "--device", args.device],
                          check=True, capture_output=True, text=True).stdout
     ours = json.loads(out.strip().splitlines()[-1])
 
-    model = AutoModelForCausalLM.from_pretrained(args.work, dtype=torch.float32).eval()
+    device = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(args.work, dtype=torch.float32).to(device).eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     width = max(len(q) for q in prompts)
-    ids = torch.tensor([[pad] * (width - len(q)) + q for q in prompts])
-    mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts])
+    ids = torch.tensor([[pad] * (width - len(q)) + q for q in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts], device=device)
+    sample = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)
     torch.manual_seed(0)
     with torch.inference_mode():
+        if device.type != "cpu":  # as troupe's side: first-call set-up (kernels, handles) outside the timing
+            model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=4, **sample)
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
-        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             num_return_sequences=args.n, max_new_tokens=args.max_tokens,
-                             min_new_tokens=args.max_tokens, pad_token_id=pad)
+        gen = model.generate(input_ids=ids, attention_mask=mask, num_return_sequences=args.n,
+                             max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, **sample)
+        if device.type != "cpu":
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
     hf_tokens = (gen.shape[1] - width) * gen.shape[0]
     theirs = {"tokens": hf_tokens, "seconds": seconds, "tokens_per_s": hf_tokens / seconds}
 
-    print(f"generation float32, {args.prompts} prompts x {args.n} samples x {args.max_tokens} new tokens, "
-          f"{torch.get_num_threads()} threads")
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{torch.get_num_threads()} threads")
+    print(f"generation float32, {args.prompts} prompts x {args.n} samples x {args.max_tokens} new tokens, {where}")
     for name, r in (("troupe", ours), ("transformers", theirs)):
         print(f"{name + ':':14}{r['tokens_per_s']:9.1f} tokens/s ({r['tokens']} tokens in {r['seconds']:.1f} s)")
     print(f"ratio troupe / transformers: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
