@@ -517,8 +517,8 @@ void parse_loss(const Source& s, Map m, LossSection& c, Recipe recipe) {
   m.check(c.behaviour_cap >= 1, "behaviour_cap", "must be >= 1 (a cap below 1 would down-weight on-policy tokens)" + got(c.behaviour_cap));
   // dpo: the loss is DPO's and beta its strength (TRL's default 0.1); the reference is the
   // frozen starting model unless reference.path names another.
-  if (recipe == Recipe::dpo) {
-    m.check(!m.has("kind") || c.kind == LossKind::dpo, "kind", "recipe dpo takes kind: dpo");
+  if (recipe == Recipe::dpo || recipe == Recipe::online_dpo) {
+    m.check(!m.has("kind") || c.kind == LossKind::dpo, "kind", "recipe " + std::string(to_string(recipe)) + " takes kind: dpo");
     c.kind = LossKind::dpo;
     if (!m.has("beta")) c.beta = 0.1;
     m.check(c.beta > 0, "beta", "must be > 0 for dpo" + got(c.beta));
@@ -526,7 +526,7 @@ void parse_loss(const Source& s, Map m, LossSection& c, Recipe recipe) {
     m.check(!m.has("kind") || c.kind == LossKind::ppo, "kind", "recipe ppo takes kind: ppo");
     c.kind = LossKind::ppo;
   } else {
-    m.check(c.kind != LossKind::dpo, "kind", "kind: dpo needs recipe: dpo");
+    m.check(c.kind != LossKind::dpo, "kind", "kind: dpo needs recipe: dpo or online_dpo");
     m.check(c.kind != LossKind::ppo, "kind", "kind: ppo needs recipe: ppo");
   }
 }
@@ -662,11 +662,16 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   ref.check(!c.reference.path.empty(), "path", "must not be empty (absent: model.path)");
 
   // An RL checkpoint is resumable only where the generators hold its weights: after a sync.
-  if (c.recipe == Recipe::grpo || c.recipe == Recipe::ppo)
+  const bool graph = c.recipe == Recipe::grpo || c.recipe == Recipe::ppo || c.recipe == Recipe::online_dpo;
+  if (graph)
     top.map("run").check(c.run.checkpoint_every % c.async.sync_every == 0, "checkpoint_every",
                          "must be a multiple of async.sync_every = " + fmt(c.async.sync_every) + got(c.run.checkpoint_every));
   if (!data_seeded) c.data.seed = c.run.seed;
-  if ((c.recipe == Recipe::grpo || c.recipe == Recipe::ppo) && c.rewards.empty())
+  // online_dpo pairs each prompt's best and worst completion: it needs two of them.
+  if (c.recipe == Recipe::online_dpo)
+    top.map("generator").check(c.generator.group_size >= 2, "group_size",
+                               "must be >= 2 for recipe online_dpo (a pair per prompt)" + got(c.generator.group_size));
+  if (graph && c.rewards.empty())
     top.fail("rewards", "required: at least one reward for recipe " + std::string(to_string(c.recipe)) +
                             " (e.g. - {name: correct, kind: math_answer})");
   return c;

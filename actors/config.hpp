@@ -20,7 +20,7 @@ struct RewardSpec;  // reward/registry.hpp; to_reward_specs() converts to it
 
 // grpo and ppo run the actor graph; sft, lora (sft with LoRA adapters) and dpo run the trainer
 // alone. Every recipe reads the same sections; each uses the keys it needs.
-enum class Recipe { grpo, sft, lora, dpo, ppo };
+enum class Recipe { grpo, sft, lora, dpo, ppo, online_dpo };
 enum class ModelDtype { float32, bfloat16 };
 enum class EngineKind { builtin, remote };
 enum class RewardScaling { group, batch, none };
@@ -28,7 +28,7 @@ enum class LossAggregation { grpo, dr_grpo, dapo };
 enum class LossKind { grpo, dpo, ppo };
 
 // Names as written in YAML, in enum order.
-inline constexpr std::array<std::string_view, 5> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo"};
+inline constexpr std::array<std::string_view, 6> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo", "online_dpo"};
 inline constexpr std::array<std::string_view, 2> kModelDtypeNames = {"float32", "bfloat16"};
 inline constexpr std::array<std::string_view, 2> kEngineNames = {"builtin", "remote"};
 inline constexpr std::array<std::string_view, 3> kRewardScalingNames = {"group", "batch", "none"};

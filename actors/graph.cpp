@@ -448,6 +448,49 @@ int64_t outstanding_end(const GraphSpec& spec, int64_t step) {
   return std::min(spec.steps, step + spec.max_staleness - spec.sync_every + 1);
 }
 
+double mean_reward(const std::vector<RolloutGroup>& groups) {
+  double sum = 0;
+  int64_t n = 0;
+  for (const auto& g : groups)
+    for (double r : g.reward) {
+      sum += r;
+      ++n;
+    }
+  return n ? sum / n : 0.0;
+}
+
+// Online DPO's pairs: per group, the completion with the highest total reward is chosen and
+// the one with the lowest rejected (the first of each among ties); a group whose rewards all
+// tie says nothing about preference and gives none. The reference log-probs, summed over each
+// completion, come from the reference actor.
+std::vector<dpo::Pair> preference_pairs(const std::vector<RolloutGroup>& groups) {
+  std::vector<dpo::Pair> pairs;
+  auto sequence = [](const RolloutGroup& g, size_t i) {
+    sft::Sequence s;
+    s.ids = g.prompt_ids;
+    s.ids.insert(s.ids.end(), g.completion_ids[i].begin(), g.completion_ids[i].end());
+    s.loss_mask.assign(g.prompt_ids.size(), 0);
+    s.loss_mask.resize(s.ids.size(), 1);
+    return s;
+  };
+  auto reference = [](const RolloutGroup& g, size_t i) {
+    if (g.reference_logprobs.size() != g.completion_ids.size())
+      throw Error("online_dpo: prompt " + std::to_string(g.prompt_id) + " has no reference log-probs (is the reference actor on?)");
+    double sum = 0;
+    for (float x : g.reference_logprobs[i]) sum += x;
+    return sum;
+  };
+  for (const auto& g : groups) {
+    auto [lo, hi] = std::minmax_element(g.reward.begin(), g.reward.end());
+    if (g.reward.empty() || *lo == *hi) continue;
+    size_t chosen = hi - g.reward.begin(), rejected = lo - g.reward.begin();
+    if (g.completion_ids[chosen].empty() || g.completion_ids[rejected].empty()) continue;
+    dpo::Pair p{sequence(g, chosen), sequence(g, rejected), reference(g, chosen), reference(g, rejected)};
+    pairs.push_back(std::move(p));
+  }
+  return pairs;
+}
+
 behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec, actor controller,
                        std::shared_ptr<Outcome> outcome) {
   report_failures(self, outcome, "trainer");
@@ -528,6 +571,18 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
         extra = {{"policy_loss", p.policy_loss}, {"value_loss", p.value_loss},
                  {"value_clip_fraction", p.value_clip_fraction}, {"explained_variance", p.explained_variance},
                  {"returns/mean", p.returns_mean}, {"values/mean", p.values_mean}};
+      } else if (!groups.empty() && spec->online_dpo) {
+        auto pairs = preference_pairs(groups);
+        if (!pairs.empty()) {
+          auto d = st.trainer->dpo_step(pairs);
+          // kl: the mean log pi/pi_ref of the paired completions (a sequence-level estimate).
+          const double beta = spec->trainer.dpo.beta;
+          metrics = StepMetrics{.loss = d.loss, .kl = (d.reward_chosen + d.reward_rejected) / (2 * beta),
+                                .grad_norm = d.grad_norm, .lr = d.lr, .reward_mean = mean_reward(groups)};
+          extra = {{"rewards/accuracies", d.accuracy}, {"rewards/margins", d.margin}, {"rewards/chosen", d.reward_chosen},
+                   {"rewards/rejected", d.reward_rejected}};
+        }
+        extra["pairs"] = pairs.size();
       } else if (!groups.empty()) {
         metrics = st.trainer->grpo_step(groups);
       }
@@ -583,6 +638,11 @@ struct ControllerState {
 std::string progress_line(const nlohmann::json& j, int64_t steps) {
   char buf[320];
   const auto failed = j["rollouts/failed"].get<int64_t>();
+  if (j["loss"].is_null() && failed == 0) {
+    std::snprintf(buf, sizeof buf, "step %lld/%lld  v%lld  no preference pairs (every group's rewards tied), no update",
+                  (long long)j["step"].get<int64_t>(), (long long)steps, (long long)j["policy_version"].get<int64_t>());
+    return buf;
+  }
   if (j["loss"].is_null()) {
     std::snprintf(buf, sizeof buf, "step %lld/%lld  v%lld  all %lld groups failed, no update (see failures.jsonl)",
                   (long long)j["step"].get<int64_t>(), (long long)steps, (long long)j["policy_version"].get<int64_t>(),

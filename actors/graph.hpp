@@ -51,6 +51,10 @@ struct GraphSpec {
   // recipe ppo: the trainer is a PpoTrainer (value head on the trunk, GAE, clipped value loss)
   // instead of GRPO's; trainer.optimizer, micro_batch and logprob_chunk are taken from `trainer`.
   std::optional<PpoConfig> ppo;
+  // recipe online_dpo: each group's best and worst completion by reward form a DPO pair
+  // (trainer.dpo's beta and label smoothing), against the reference actor's log-probs; groups
+  // whose rewards all tie give no pair.
+  bool online_dpo = false;
   // LoRA: the trainer trains adapters only; generators receive the merged weights.
   std::optional<LoraConfig> lora;
   uint64_t seed = 0;  // the adapters' initialisation

@@ -98,6 +98,7 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
     case Recipe::lora: return run_sft(c, stop_requested);
     case Recipe::dpo: return run_dpo(c, stop_requested);
     case Recipe::ppo:
+    case Recipe::online_dpo:
     case Recipe::grpo: break;
   }
   // First: a wrong checkpoint fails before any loading.
@@ -150,6 +151,7 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
                          .num_iterations = c.trainer.num_iterations, .micro_batch = c.trainer.micro_batch,
                          .logprob_chunk = c.trainer.logprob_chunk};
   }
+  spec.online_dpo = c.recipe == Recipe::online_dpo;
   spec.seed = c.run.seed;
   spec.batch_groups = c.trainer.batch_groups;
   spec.steps = c.trainer.steps;

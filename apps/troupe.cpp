@@ -142,11 +142,13 @@ struct RecipeLine {
   Recipe recipe;
   const char* what;
 };
-constexpr std::array<RecipeLine, 5> kRecipeLines = {{
+constexpr std::array<RecipeLine, 6> kRecipeLines = {{
     {Recipe::grpo, "async GRPO: generators sample G completions per prompt, rewards score them, the policy learns "
                    "from group-relative advantages (actor graph)"},
     {Recipe::ppo, "PPO: GRPO's graph with a value head on the policy's trunk and GAE over KL-shaped rewards "
                   "instead of group-relative advantages (actor graph)"},
+    {Recipe::online_dpo, "online DPO: generators sample G completions per prompt, rewards rank them, each "
+                         "prompt's best and worst form a DPO pair against the frozen start (actor graph)"},
     {Recipe::sft, "supervised fine-tuning of all weights on prompt/response or chat JSONL, loss on the responses "
                   "(trainer alone)"},
     {Recipe::lora, "sft with LoRA adapters on the chosen projections, base weights frozen; checkpoints carry the "
@@ -181,9 +183,11 @@ std::string opening_comment(const fs::path& path) {
 // 1 when any did not load or configs/ is missing.
 int run_ls() {
   std::cout << "recipes:\n";
+  size_t recipe_width = 0;
+  for (const auto& r : kRecipeLines) recipe_width = std::max(recipe_width, to_string(r.recipe).size());
   for (const auto& r : kRecipeLines) {
     std::string name(to_string(r.recipe));
-    std::cout << "  " << name << std::string(6 - name.size(), ' ') << r.what << "\n";
+    std::cout << "  " << name << std::string(recipe_width + 2 - name.size(), ' ') << r.what << "\n";
   }
   std::error_code ec;
   const fs::path dir = "configs";
@@ -208,7 +212,7 @@ int run_ls() {
     std::cout << "  " << name << std::string(width + 2 - name.size(), ' ');
     try {
       std::string recipe(to_string(load_run_config(name).recipe));
-      std::cout << recipe << std::string(6 - recipe.size(), ' ') << opening_comment(f) << "\n";
+      std::cout << recipe << std::string(recipe_width + 2 - recipe.size(), ' ') << opening_comment(f) << "\n";
     } catch (const std::exception& e) {
       ++broken;
       std::cout << "error: " << e.what() << "\n";

@@ -200,6 +200,8 @@ TEST_CASE("each kind of bad input names file, line and key") {
   CHECK(error_of(with_line(12, "  lr: -1")) == "configs/x.yaml:12: trainer.lr: must be > 0, got -1");
   CHECK(error_of(kBase, {"async.max_staleness=2", "async.sync_every=2", "run.checkpoint_every=5"}) ==
         "configs/x.yaml, override 'run.checkpoint_every=5': run.checkpoint_every: must be a multiple of async.sync_every = 2, got 5");
+  CHECK(error_of(kBase, {"recipe=online_dpo", "trainer.loss.beta=0.1", "generator.group_size=1"}) ==
+        "configs/x.yaml, override 'generator.group_size=1': generator.group_size: must be >= 2 for recipe online_dpo (a pair per prompt), got 1");
   CHECK(error_of(with_line(7, "  group_size: 0")) == "configs/x.yaml:7: generator.group_size: must be >= 1, got 0");
   CHECK(error_of(with_line(8, "  top_p: 1.5")) == "configs/x.yaml:8: generator.top_p: must be in (0, 1], got 1.5");
   CHECK(error_of(with_line(13, "  loss: {clip: [0.2, 1.5]}")) ==
@@ -218,11 +220,11 @@ TEST_CASE("each kind of bad input names file, line and key") {
         "configs/x.yaml:2: model.path: required: the model to train: a Hugging Face folder or a .gguf file");
   CHECK(error_of(with_line(10, "  - {kind: math_answer}")) ==
         "configs/x.yaml:10: rewards.0.name: required: a unique name (metrics report reward/<name>/mean)");
-  CHECK(error_of(with_line(1, "# no recipe")) == "configs/x.yaml:2: recipe: required: one of grpo, sft, lora, dpo, ppo");
+  CHECK(error_of(with_line(1, "# no recipe")) == "configs/x.yaml:2: recipe: required: one of grpo, sft, lora, dpo, ppo, online_dpo");
   CHECK(error_of(with_line(10, "  []")).find("configs/x.yaml:9: rewards: required: at least one reward") == 0);
   // Wrong names.
   CHECK(error_of(with_line(1, "recipe: grpo2")) ==
-        "configs/x.yaml:1: recipe: expected one of grpo, sft, lora, dpo, ppo, got \"grpo2\" (did you mean grpo?)");
+        "configs/x.yaml:1: recipe: expected one of grpo, sft, lora, dpo, ppo, online_dpo, got \"grpo2\" (did you mean grpo?)");
   CHECK(error_of(with_line(3, "  path: m\n  dtype: fp16")) ==
         "configs/x.yaml:4: model.dtype: expected one of float32, bfloat16, got \"fp16\"");
   CHECK(error_of(with_line(10, "  - {name: c, kind: math_anser}")) ==

@@ -127,6 +127,49 @@ TEST_CASE("troupe run trains the tiny arithmetic config with PPO (value head, GA
   CHECK(fs::exists(dir / "checkpoints" / "step_200" / "value_head.safetensors"));
 }
 
+TEST_CASE("troupe run trains the tiny arithmetic config with online DPO: best and worst of each group form a pair") {
+  auto task = fixtures() / "arithmetic";
+  auto dir = fixtures() / "run_tiny_arithmetic_online_dpo";
+  fs::remove_all(dir);
+  std::string cmd = "cd '" + source().string() + "' && '" + env_dir("TROUPE_BIN").string() +
+                    "' run configs/tiny_arithmetic_online_dpo.yaml model.path='" + (task / "model").string() +
+                    "' data.train.path='" + (task / "train.jsonl").string() + "' trainer.sft_warmup.path='" +
+                    (task / "format.jsonl").string() + "' run.dir='" + dir.string() + "'";
+  auto r = shell(cmd);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  std::ifstream in(dir / "metrics.jsonl");
+  std::vector<nlohmann::json> steps;
+  for (std::string line; std::getline(in, line);) steps.push_back(nlohmann::json::parse(line));
+  REQUIRE(steps.size() == 200);
+  // A step whose groups all tied trains nothing and reports no reward; the means skip it.
+  auto mean = [&](size_t from, size_t n) {
+    double s = 0;
+    int64_t k = 0;
+    for (size_t i = from; i < from + n; ++i)
+      if (steps[i]["reward/mean"].is_number()) {
+        s += steps[i]["reward/mean"].get<double>();
+        ++k;
+      }
+    REQUIRE(k > 0);
+    return s / k;
+  };
+  int64_t worst = 0, pairs = 0;
+  for (const auto& j : steps) {
+    worst = std::max(worst, j["staleness/max"].get<int64_t>());
+    REQUIRE(j.contains("pairs"));
+    CHECK(j["pairs"].get<int64_t>() <= 16);
+    pairs += j["pairs"].get<int64_t>();
+    if (j["pairs"].get<int64_t>() > 0) CHECK(j.contains("rewards/accuracies"));
+  }
+  MESSAGE("online dpo via troupe run (eta 1): reward/mean first 10 steps " << mean(0, 10) << ", last 20 " << mean(180, 20)
+                                                                           << "; " << pairs << " pairs; staleness max " << worst);
+  CHECK(mean(0, 10) < 0.3);
+  CHECK(mean(180, 20) > 0.7);
+  CHECK(worst <= 1);
+  CHECK(pairs > 0);
+}
+
 TEST_CASE("troupe run refuses a bad config before starting anything") {
   auto bad = fs::temp_directory_path() / "troupe_bad_run.yaml";
   std::ofstream(bad) << "recipe: grpo\nmodel: {path: nowhere.gguf}\n"

@@ -157,18 +157,18 @@ std::string recipe_in_file(const fs::path& path) {
   std::ifstream in(path);
   for (std::string line; std::getline(in, line);) {
     std::smatch m;
-    if (std::regex_match(line, m, std::regex(R"(recipe:\s*([a-z]+)\s*(#.*)?)"))) return m[1];
+    if (std::regex_match(line, m, std::regex(R"(recipe:\s*([a-z_]+)\s*(#.*)?)"))) return m[1];
   }
   return "";
 }
 
 }  // namespace
 
-TEST_CASE("ls lists the five recipes and every file in configs/ with its recipe") {
+TEST_CASE("ls lists the six recipes and every file in configs/ with its recipe") {
   auto r = run_ls_in(troupe::test::source());
   INFO(r.out);
   CHECK(r.status == 0);
-  for (const char* recipe : {"grpo", "ppo", "sft", "lora", "dpo"}) {
+  for (const char* recipe : {"grpo", "ppo", "online_dpo", "sft", "lora", "dpo"}) {
     CAPTURE(recipe);
     auto line = joined(words_of_line(r.out, recipe));
     CAPTURE(line);
