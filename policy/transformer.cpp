@@ -150,9 +150,9 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     // One decode step: the query heads sharing a key/value head become that head's query
     // rows, (B, nkv, nh/nkv, hd), so attention reads each cached key once instead of
     // repeating the cache per query head (what SDPA's GQA path does on CPU with a mask).
-    auto grouped = q.view({B, n_kv_heads_, n_heads_ / n_kv_heads_, head_dim_});
+    auto grouped = q.reshape({B, n_kv_heads_, n_heads_ / n_kv_heads_, head_dim_});
     out = at::scaled_dot_product_attention(grouped, k, v, attn_mask, 0.0, false, scale)
-              .view({B, n_heads_, 1, head_dim_});  // (B, nh, 1, hd)
+              .reshape({B, n_heads_, 1, head_dim_});  // (B, nh, 1, hd)
   } else {
     out = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal, scale,
                                            /*enable_gqa=*/n_kv_heads_ != n_heads_);  // (B, nh, T, hd)
