@@ -212,7 +212,7 @@ struct RunConfig {
   AsyncSection async;
   RunSection run;
   // A run folder (its newest complete checkpoint) or one checkpoint folder to continue from:
-  // `troupe run CONFIG resume=runs/NAME`. Empty: start fresh. Every recipe but ppo.
+  // `troupe run CONFIG resume=runs/NAME`. Empty: start fresh. Every recipe.
   std::string resume;
   ConfigOrigin origin;
   bool operator==(const RunConfig&) const = default;

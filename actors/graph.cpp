@@ -413,6 +413,7 @@ void save_weights(const GraphSpec& spec, TrainerState& trainer, const std::files
   save_hf_dir(m, dir);
   if (trainer.ppo) {
     trainer.ppo->save_value_head(dir / "value_head.safetensors");
+    trainer.ppo->save_state(dir / "optimizer.pt");
   } else {
     trainer.trainer->save_state(dir / "optimizer.pt");
   }
@@ -517,7 +518,12 @@ behavior trainer_actor(stateful_actor<TrainerState>* self, const GraphSpec* spec
     } else {
       load_weights(*policy, checkpoint_weights(r), r.dir.string());
     }
-    if (st.trainer) st.trainer->load_state(r.dir / "optimizer.pt");
+    if (st.ppo) {
+      st.ppo->load_value_head(r.dir / "value_head.safetensors");
+      st.ppo->load_state(r.dir / "optimizer.pt");
+    } else {
+      st.trainer->load_state(r.dir / "optimizer.pt");
+    }
     torch::Tensor rng;
     torch::load(rng, (r.dir / "rng.pt").string());
     auto generator = at::detail::getDefaultCPUGenerator();  // a handle: set_state needs a non-const one
@@ -818,7 +824,6 @@ GraphResult run_graph(const GraphSpec& spec) {
       throw Error(r.dir.string() + ": the checkpoint holds " + std::to_string(r.groups.size()) + " rollout groups of batches [" +
                   std::to_string(r.step) + ", " + std::to_string(r.first_new_batch) + "), which does not match this run's " +
                   "trainer.steps, trainer.batch_groups, async.max_staleness and async.sync_every");
-    if (spec.ppo) throw Error(r.dir.string() + ": resuming recipe ppo is not supported yet (its optimizer state is not saved)");
   }
   auto outcome = std::make_shared<Outcome>();
   {

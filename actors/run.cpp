@@ -103,12 +103,7 @@ GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_request
   }
   // First: a wrong checkpoint fails before any loading.
   std::optional<GraphResume> resume;
-  if (auto found = recipe::find_resume(c)) {
-    if (c.recipe == Recipe::ppo)
-      throw Error(c.origin.at("resume") + ": resume: recipe ppo cannot continue from a checkpoint yet (its optimizer "
-                  "state is not saved); grpo, sft, lora and dpo can");
-    resume = read_graph_checkpoint(found->dir);
-  }
+  if (auto found = recipe::find_resume(c)) resume = read_graph_checkpoint(found->dir);
   // One seed for LibTorch's generator (LoRA dropout); deterministic mode also refuses kernels
   // without a deterministic implementation.
   torch::manual_seed(c.run.seed);

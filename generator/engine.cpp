@@ -89,6 +89,7 @@ Engine::Engine(Transformer model, std::optional<Tokenizer> tokenizer, EngineOpti
   cache_ = KVCache::allocate(c, options_.max_batch, options_.max_seq_len, weight.options());
   slots_.resize(options_.max_batch);
   model_->eval();
+  model_->keep_fused_weights(true);  // weights change only through update_weights, between steps
 }
 
 Engine::~Engine() = default;
@@ -224,13 +225,19 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Ten
       scores[r].masked_fill_(truncate(logp[r].exp(), p) == 0, -std::numeric_limits<float>::infinity());
   };
   if (device.is_cpu()) {
-    for (int64_t r = 0; r < R; ++r) {
-      if (params[r]->temperature <= 0) continue;
-      truncate_row(r);
-      auto row = scores[r];
-      auto u = torch::empty_like(row).uniform_(0.0, 1.0, *generators[r]);
-      row.sub_(u.log().neg().log());
-    }
+    for (int64_t r = 0; r < R; ++r)
+      if (params[r]->temperature > 0) truncate_row(r);
+    // The noise is most of the sampling time (a uniform, two logs per vocabulary entry): rows
+    // are spread over the intra-op threads, each drawing from its own generator, so the
+    // draws are the same whichever thread makes them.
+    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        if (params[r]->temperature <= 0) continue;
+        auto row = scores[r];
+        auto u = torch::empty_like(row).uniform_(0.0, 1.0, *generators[r]);
+        row.sub_(u.log().neg().log());
+      }
+    });
   } else {
     // On an accelerator each op is a kernel launch: draw each row's uniforms into one
     // buffer, then transform and add the noise for the whole batch in a few launches.

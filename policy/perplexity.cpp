@@ -38,7 +38,7 @@ PerplexityResult perplexity(TransformerImpl& model, const Tokenizer& tokenizer, 
     ids = ids.to(device);
     mask = mask.to(device);
     auto positions = positions_from_mask(mask);
-    auto hidden = model.forward(ids, positions, attention_mask(mask, positions));  // (B, T, H)
+    auto hidden = model.forward(ids, positions, attention_mask_unless_causal(mask, positions));  // (B, T, H)
     auto targets = ids.narrow(1, 1, T - 1);
     auto logp = kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), targets);  // (B, T-1)
     auto valid = mask.narrow(1, 1, T - 1).to(torch::kBool);

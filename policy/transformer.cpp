@@ -88,6 +88,33 @@ torch::Tensor Projection::add_lora(const torch::Tensor& y, const torch::Tensor& 
   return (y + delta).to(y.scalar_type());
 }
 
+std::pair<torch::Tensor, torch::Tensor> FusedWeights::get(std::initializer_list<const Projection*> parts) {
+  const bool reuse = keep;  // called without autograd only (see AttentionImpl::forward)
+  std::vector<std::pair<const void*, int64_t>> key;
+  if (reuse) {
+    for (const auto* p : parts)
+      for (const auto& t : {p->base->weight, p->base->bias})
+        if (t.defined()) key.emplace_back(t.data_ptr(), t._version());
+    if (weight_.defined() && key == key_) return {weight_, bias_};
+  }
+  std::vector<torch::Tensor> weights, biases;
+  for (const auto* p : parts) {
+    weights.push_back(p->base->weight);
+    if (p->base->bias.defined()) biases.push_back(p->base->bias);
+  }
+  auto weight = torch::cat(weights);
+  auto bias = biases.empty() ? torch::Tensor() : torch::cat(biases);
+  if (reuse) {
+    weight_ = weight;
+    bias_ = bias;
+    key_ = std::move(key);
+  } else {
+    weight_ = bias_ = torch::Tensor();  // nothing stale is held
+    key_.clear();
+  }
+  return {weight, bias};
+}
+
 AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t layer)
     : layer_(layer), n_heads_(c.num_attention_heads), n_kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim) {
   q_proj_.base = register_module("q_proj", linear(c.hidden_size, n_heads_ * head_dim_, c.qkv_bias));
@@ -103,14 +130,18 @@ AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t layer)
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                      const torch::Tensor& mask, KVCache* cache) {
   const int64_t B = x.size(0), T = x.size(1);
-  // q, k and v in one GEMM over the concatenated weights: one large GEMM runs closer to peak
-  // on a CPU than three small ones (about 10% of the forward pass), and the parameters keep
-  // their Hugging Face names; the concatenation copy is small next to the GEMM. LoRA adapters
-  // add their terms to their own slices.
-  const auto& wq = q_proj_.base, &wk = k_proj_.base, &wv = v_proj_.base;
-  auto qkv = F::linear(x, torch::cat({wq->weight, wk->weight, wv->weight}),
-                       wq->bias.defined() ? torch::cat({wq->bias, wk->bias, wv->bias}) : torch::Tensor())
-                 .split({n_heads_ * head_dim_, n_kv_heads_ * head_dim_, n_kv_heads_ * head_dim_}, -1);
+  // Without autograd (generation, log-probs), q, k and v in one GEMM over the concatenated
+  // weights (FusedWeights): one large GEMM runs closer to peak on a CPU than three small ones
+  // (about 10% of a decode step). With autograd, three GEMMs: their rows (batch x length) are
+  // many, and the concatenated weight and its gradient would cost memory and copies.
+  // LoRA adapters add their terms to their own slices.
+  std::vector<torch::Tensor> qkv;
+  if (torch::GradMode::is_enabled()) {
+    qkv = {q_proj_.base->forward(x), k_proj_.base->forward(x), v_proj_.base->forward(x)};
+  } else {
+    auto [w_qkv, b_qkv] = qkv_.get({&q_proj_, &k_proj_, &v_proj_});
+    qkv = F::linear(x, w_qkv, b_qkv).split({n_heads_ * head_dim_, n_kv_heads_ * head_dim_, n_kv_heads_ * head_dim_}, -1);
+  }
   const bool train = is_training();
   auto q = q_proj_.add_lora(qkv[0], x, train).view({B, T, n_heads_, head_dim_});     // (B, T, nh, hd)
   auto k = k_proj_.add_lora(qkv[1], x, train).view({B, T, n_kv_heads_, head_dim_});  // (B, T, nkv, hd)
@@ -175,10 +206,13 @@ MLPImpl::MLPImpl(const ModelConfig& c) {
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   // gate and up in one GEMM, for the same reason as q, k and v.
-  const auto& wg = gate_proj_.base, &wu = up_proj_.base;
-  auto gate_up = F::linear(x, torch::cat({wg->weight, wu->weight}),
-                           wg->bias.defined() ? torch::cat({wg->bias, wu->bias}) : torch::Tensor())
-                     .chunk(2, -1);
+  std::vector<torch::Tensor> gate_up;
+  if (torch::GradMode::is_enabled()) {
+    gate_up = {gate_proj_.base->forward(x), up_proj_.base->forward(x)};
+  } else {
+    auto [w_gate_up, b_gate_up] = gate_up_.get({&gate_proj_, &up_proj_});
+    gate_up = F::linear(x, w_gate_up, b_gate_up).chunk(2, -1);
+  }
   const bool train = is_training();
   auto gate = gate_proj_.add_lora(gate_up[0], x, train), up = up_proj_.add_lora(gate_up[1], x, train);
   return down_proj_.forward(F::silu(gate) * up, train);
@@ -224,6 +258,10 @@ torch::Tensor DecoderImpl::forward(const torch::Tensor& ids, const torch::Tensor
   return norm_(h);
 }
 
+void DecoderImpl::keep_fused_weights(bool on) {
+  for (size_t l = 0; l < layers_->size(); ++l) layers_->ptr<DecoderLayerImpl>(l)->keep_fused_weights(on);
+}
+
 void DecoderImpl::projections(const std::string& prefix, ProjectionList& out) {
   for (size_t l = 0; l < layers_->size(); ++l)
     layers_->ptr<DecoderLayerImpl>(l)->projections(prefix + "layers." + std::to_string(l) + ".", out);
@@ -241,6 +279,8 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const torch::Te
   TORCH_CHECK(positions.sizes() == ids.sizes(), "positions ", positions.sizes(), " must match ids ", ids.sizes());
   return model_(ids, positions, mask, cache);
 }
+
+void TransformerImpl::keep_fused_weights(bool on) { model_->keep_fused_weights(on); }
 
 ProjectionList TransformerImpl::projections() {
   ProjectionList out;
@@ -276,6 +316,12 @@ torch::Tensor attention_mask(const torch::Tensor& token_mask, const torch::Tenso
   auto real_key = token_mask.to(torch::kBool).unsqueeze(1);                     // [B, 1, T]
   auto self = torch::eye(T, torch::dtype(torch::kBool).device(positions.device()));
   return (same_doc.logical_and(causal).logical_and(real_key)).logical_or(self).unsqueeze(1);  // [B, 1, T, T]
+}
+
+torch::Tensor attention_mask_unless_causal(const torch::Tensor& token_mask, const torch::Tensor& positions) {
+  auto plain = torch::arange(positions.size(1), positions.options()).unsqueeze(0);
+  if (token_mask.all().item<bool>() && torch::equal(positions, plain.expand_as(positions))) return {};
+  return attention_mask(token_mask, positions);
 }
 
 }  // namespace troupe

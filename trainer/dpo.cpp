@@ -196,7 +196,7 @@ std::vector<double> sequence_logprobs(TransformerImpl& model, std::span<const sf
     }
     auto ids = batch.ids.to(device);
     auto positions = batch.positions.to(device);
-    auto hidden = model.forward(ids, positions, attention_mask(batch.token_mask.to(device), positions));  // (B, T, H)
+    auto hidden = model.forward(ids, positions, attention_mask_unless_causal(batch.token_mask.to(device), positions));  // (B, T, H)
     auto logp = kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), ids.narrow(1, 1, T - 1),
                                         1.0, chunk);                                                       // (B, T-1)
     auto sums = (logp.to(torch::kFloat64) * batch.loss_mask.to(device, torch::kFloat64)).sum(1).cpu();

@@ -185,7 +185,7 @@ Forward forward(TransformerImpl& model, torch::nn::LinearImpl& value_head, const
   auto x = ids.to(device);
   auto tm = token_mask.to(device);
   auto positions = positions_from_mask(tm);
-  auto hidden = model.forward(x, positions, attention_mask(tm, positions));  // (B, T, H)
+  auto hidden = model.forward(x, positions, attention_mask_unless_causal(tm, positions));  // (B, T, H)
   const int64_t T = x.size(1);
   auto h = hidden.narrow(1, 0, T - 1);                                      // (B, T-1, H)
   auto logp = kernels::token_logprobs(h, model.lm_head_weight(), x.narrow(1, 1, T - 1), /*temperature=*/1.0, chunk);
@@ -392,6 +392,14 @@ std::vector<std::vector<float>> PpoTrainer::completion_values(const RolloutGroup
 
 std::map<std::string, torch::Tensor> PpoTrainer::value_head_state_dict() const {
   return {{kWeight, value_head_->weight}, {kBias, value_head_->bias}};
+}
+
+void PpoTrainer::save_state(const std::filesystem::path& file) const {
+  save_optimizer_state(file, *optimizer_, params_, version_);
+}
+
+void PpoTrainer::load_state(const std::filesystem::path& file) {
+  version_ = load_optimizer_state(file, *optimizer_, params_, config_.optimizer);
 }
 
 void PpoTrainer::save_value_head(const std::filesystem::path& file) const {

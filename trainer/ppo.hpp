@@ -129,6 +129,9 @@ class PpoTrainer {
   std::map<std::string, torch::Tensor> value_head_state_dict() const;
   void save_value_head(const std::filesystem::path& file) const;
   void load_value_head(const std::filesystem::path& file);
+  // The AdamW state over the policy and the head, and the version (save_optimizer_state).
+  void save_state(const std::filesystem::path& file) const;
+  void load_state(const std::filesystem::path& file);
 
   int64_t version() const { return version_; }
   Transformer& model() { return model_; }

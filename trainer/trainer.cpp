@@ -159,7 +159,7 @@ torch::Tensor sequence_logprobs(TransformerImpl& model, const Packed& p, int64_t
   auto ids = p.ids.to(device);
   auto token_mask = p.token_mask.to(device);
   auto positions = positions_from_mask(token_mask);
-  auto hidden = hidden_states(model, trunk, ids, positions, attention_mask(token_mask, positions));  // (B, T, H)
+  auto hidden = hidden_states(model, trunk, ids, positions, attention_mask_unless_causal(token_mask, positions));  // (B, T, H)
   const int64_t T = ids.size(1);
   return kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), ids.narrow(1, 1, T - 1),
                                  /*temperature=*/1.0, chunk);
@@ -369,7 +369,7 @@ torch::Tensor Trainer::target_logprobs(const sft::Batch& batch) {
   const int64_t T = batch.ids.size(1);
   auto ids = batch.ids.to(device);
   auto positions = batch.positions.to(device);
-  auto mask = attention_mask(batch.token_mask.to(device), positions);
+  auto mask = attention_mask_unless_causal(batch.token_mask.to(device), positions);
   auto hidden = hidden_states(*model_, trunk_.get(), ids, positions, mask);  // (B, T, H)
   return kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model_->lm_head_weight(), ids.narrow(1, 1, T - 1),
                                  /*temperature=*/1.0, config_.logprob_chunk);  // (B, T-1)
@@ -490,16 +490,17 @@ std::string shape_string(torch::IntArrayRef shape) {
 }
 }  // namespace
 
-void Trainer::save_state(const std::filesystem::path& file) const {
+void save_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW& optimizer,
+                          const std::vector<torch::Tensor>& params, int64_t version) {
   torch::serialize::OutputArchive archive;
   archive.write("troupe/format", c10::IValue(std::string(kStateFormat)));
   archive.write("troupe/format_version", torch::tensor(kStateVersion));
-  archive.write("troupe/version", torch::tensor(version_));
-  archive.write("troupe/parameters", torch::tensor(static_cast<int64_t>(params_.size())));
-  for (size_t i = 0; i < params_.size(); ++i)
-    archive.write("troupe/shape/" + std::to_string(i), torch::tensor(params_[i].sizes().vec()));
+  archive.write("troupe/version", torch::tensor(version));
+  archive.write("troupe/parameters", torch::tensor(static_cast<int64_t>(params.size())));
+  for (size_t i = 0; i < params.size(); ++i)
+    archive.write("troupe/shape/" + std::to_string(i), torch::tensor(params[i].sizes().vec()));
   torch::serialize::OutputArchive opt;
-  optimizer_->save(opt);
+  optimizer.save(opt);
   archive.write("optimizer", opt);
   if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path());
   try {
@@ -509,10 +510,11 @@ void Trainer::save_state(const std::filesystem::path& file) const {
   }
 }
 
-void Trainer::load_state(const std::filesystem::path& file) {
+int64_t load_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW& optimizer,
+                             const std::vector<torch::Tensor>& params, const OptimizerConfig& o) {
   const std::string name = file.string();
   if (!std::filesystem::exists(file)) throw Error(name + ": no such optimizer state file");
-  const auto device = params_[0].device();
+  const auto device = params[0].device();
   torch::serialize::InputArchive archive;
   c10::IValue format;
   torch::Tensor format_version, version, count;
@@ -531,27 +533,34 @@ void Trainer::load_state(const std::filesystem::path& file) {
     throw Error(name + ": optimizer state format " + std::to_string(format_version.item<int64_t>()) + ", this build reads " +
                 std::to_string(kStateVersion));
   const int64_t n = count.item<int64_t>();
-  if (n != static_cast<int64_t>(params_.size()))
+  if (n != static_cast<int64_t>(params.size()))
     throw Error(name + ": the optimizer state holds " + std::to_string(n) + " parameter tensors but this trainer optimizes " +
-                std::to_string(params_.size()) + " (saved from another model, or with another parameter list such as LoRA's?)");
+                std::to_string(params.size()) + " (saved from another model, or with another parameter list such as LoRA's?)");
   for (int64_t i = 0; i < n; ++i) {
     torch::Tensor shape;
     archive.read("troupe/shape/" + std::to_string(i), shape);
     auto saved = shape.to(torch::kCPU).contiguous();
     std::vector<int64_t> dims(saved.data_ptr<int64_t>(), saved.data_ptr<int64_t>() + saved.numel());
-    if (torch::IntArrayRef(dims) != params_[i].sizes())
+    if (torch::IntArrayRef(dims) != params[i].sizes())
       throw Error(name + ": parameter " + std::to_string(i) + " was " + shape_string(dims) + " when saved but is " +
-                  shape_string(params_[i].sizes()) + " here (saved from another model?)");
+                  shape_string(params[i].sizes()) + " here (saved from another model?)");
   }
   torch::serialize::InputArchive opt;
   archive.read("optimizer", opt);
-  optimizer_->load(opt);
+  optimizer.load(opt);
   // The file's hyperparameters came along with the state; the config's are the ones in force.
-  const auto& o = config_.optimizer;
-  for (auto& group : optimizer_->param_groups())
+  for (auto& group : optimizer.param_groups())
     static_cast<torch::optim::AdamWOptions&>(group.options())
         .lr(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
-  version_ = version.item<int64_t>();
+  return version.item<int64_t>();
+}
+
+void Trainer::save_state(const std::filesystem::path& file) const {
+  save_optimizer_state(file, *optimizer_, params_, version_);
+}
+
+void Trainer::load_state(const std::filesystem::path& file) {
+  version_ = load_optimizer_state(file, *optimizer_, params_, config_.optimizer);
 }
 
 }  // namespace troupe

@@ -48,6 +48,15 @@ struct TrainerConfig {
   int64_t dpo_micro_pairs = 0;              // pairs per forward/backward in dpo_step; 0 = all at once
 };
 
+// An AdamW state (moments and step counts of `params`) and a version, with torch::serialize;
+// what Trainer::save_state and PpoTrainer::save_state write. load_optimizer_state returns the
+// version and throws Error naming the file when it is not such a file or was saved for another
+// parameter list (count or shapes); `config`'s hyperparameters stay in force.
+void save_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW& optimizer,
+                          const std::vector<torch::Tensor>& params, int64_t version);
+int64_t load_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW& optimizer,
+                             const std::vector<torch::Tensor>& params, const OptimizerConfig& config);
+
 struct StepMetrics {
   double loss = 0, kl = 0, clip_fraction = 0, behaviour_weight = 0, grad_norm = 0, lr = 0;
   double reward_mean = 0;

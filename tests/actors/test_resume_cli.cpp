@@ -1,8 +1,8 @@
 // Exact resume: a run killed with SIGKILL at a random step and continued with
 // `resume=RUN_DIR` ends with the same weights and the same per-step metrics as a run that was
 // never interrupted (deterministic mode). sft, lora (dropout on, so the RNG state matters),
-// dpo, and async GRPO through the actor graph (eta = 1, so a checkpoint holds rollouts made by
-// older weights); plus the errors for a checkpoint of another recipe or model.
+// dpo, and async GRPO and PPO through the actor graph (eta = 1, so a checkpoint holds rollouts
+// made by older weights); plus the errors for a checkpoint of another recipe or model.
 #include <doctest/doctest.h>
 
 #include <signal.h>
@@ -61,7 +61,7 @@ double max_diff(const fs::path& a, const fs::path& b) {
 // metrics.jsonl and resumed; compares the final weights (`weights` inside the last checkpoint)
 // and every step's `keys`.
 void check_resume(const std::string& config, const std::string& data, const std::string& extra, int64_t steps,
-                  const std::string& weights, const std::vector<std::string>& keys) {
+                  const std::vector<std::string>& weights, const std::vector<std::string>& keys) {
   auto task = fixtures() / "arithmetic";
   std::string common = "model.path=" + shell_quote((task / "model").string()) + " data.train.path=" +
                        shell_quote((task / data).string()) + " trainer.steps=" + std::to_string(steps) +
@@ -111,7 +111,9 @@ void check_resume(const std::string& config, const std::string& data, const std:
       worst_metric = std::max(worst_metric, std::fabs(a[i][key].get<double>() - b[i][key].get<double>()));
   }
   auto last = "step_" + std::to_string(steps);
-  double worst_weight = max_diff(straight / "checkpoints" / last / weights, killed / "checkpoints" / last / weights);
+  double worst_weight = 0;
+  for (const auto& w : weights)
+    worst_weight = std::max(worst_weight, max_diff(straight / "checkpoints" / last / w, killed / "checkpoints" / last / w));
   MESSAGE(config << ": killed after " << killed_lines << " steps, resumed; max |weight diff| " << worst_weight
                  << ", max |metric diff| " << worst_metric);
   CHECK(worst_weight <= 1e-6);
@@ -121,27 +123,33 @@ void check_resume(const std::string& config, const std::string& data, const std:
 }  // namespace
 
 TEST_CASE("sft killed at a random step and resumed ends where an uninterrupted run ends") {
-  check_resume("tiny_arithmetic_sft", "train.jsonl", "data.eval=null", 40, "model.safetensors", {"loss"});
+  check_resume("tiny_arithmetic_sft", "train.jsonl", "data.eval=null", 40, {"model.safetensors"}, {"loss"});
 }
 
 TEST_CASE("lora with dropout, killed and resumed: same adapter, same losses") {
   check_resume("tiny_arithmetic_lora", "train.jsonl", "data.eval=null lora.dropout=0.1", 30,
-               "adapter/adapter_model.safetensors", {"loss"});
+               {"adapter/adapter_model.safetensors"}, {"loss"});
 }
 
 TEST_CASE("dpo killed and resumed: same weights, same reward accuracies") {
-  check_resume("tiny_arithmetic_dpo", "prefs.jsonl", "", 30, "model.safetensors", {"rewards/margins", "rewards/accuracies"});
+  check_resume("tiny_arithmetic_dpo", "prefs.jsonl", "", 30, {"model.safetensors"}, {"rewards/margins", "rewards/accuracies"});
 }
 
 TEST_CASE("async grpo (eta = 1) killed and resumed: buffered rollouts survive; same weights, rewards and losses") {
   auto format = fixtures() / "arithmetic" / "format.jsonl";
   check_resume("tiny_arithmetic_grpo", "train.jsonl", "trainer.sft_warmup.path=" + shell_quote(format.string()), 30,
-               "model.safetensors", {"loss", "reward/mean", "kl", "staleness/mean"});
+               {"model.safetensors"}, {"loss", "reward/mean", "kl", "staleness/mean"});
   // The checkpoint it continued from held the batch made by the previous policy version.
   auto dir = fixtures() / "resume_tiny_arithmetic_grpo_killed" / "checkpoints" / "step_5";
   auto state = nlohmann::json::parse(std::ifstream(dir / "trainer_state.json"));
   CHECK(state["rollout_batches"] == nlohmann::json::array({5, 6}));
   CHECK(fs::file_size(dir / "rollouts.msgpack") > 0);
+}
+
+TEST_CASE("async ppo killed and resumed: the value head and its optimizer state come back too") {
+  auto format = fixtures() / "arithmetic" / "format.jsonl";
+  check_resume("tiny_arithmetic_ppo", "train.jsonl", "trainer.sft_warmup.path=" + shell_quote(format.string()), 30,
+               {"model.safetensors", "value_head.safetensors"}, {"loss", "reward/mean", "value_loss", "explained_variance"});
 }
 
 TEST_CASE("resuming from a checkpoint of another recipe or model is an error naming the file") {

@@ -96,6 +96,58 @@ TEST_CASE("decoding over the KV cache reproduces the full forward pass") {
   }
 }
 
+TEST_CASE("kept fused weights follow in-place weight changes, and autograd still reaches each projection") {
+  auto kept = load("qwen2");  // q/k/v biases: the fused bias is kept too
+  auto fresh = load("qwen2");
+  kept.model->keep_fused_weights(true);
+  auto ids = read_reference("qwen2")["input_ids"].select(0, 0).unsqueeze(0);
+  auto positions = torch::arange(ids.size(1)).unsqueeze(0);
+  auto logits = [&](LoadedModel& m) { return m.model->logits(m.model->forward(ids, positions)); };
+  {
+    torch::NoGradGuard no_grad;
+    CHECK(torch::equal(logits(kept), logits(fresh)));
+    // A step's worth of change, written in place into both (as an optimizer or update_weights does).
+    torch::manual_seed(3);
+    for (const char* name : {"model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.bias",
+                             "model.layers.0.mlp.up_proj.weight"}) {
+      auto delta = torch::randn_like(kept.model->named_parameters()[name]) * 0.05;
+      kept.model->named_parameters()[name].add_(delta);
+      fresh.model->named_parameters()[name].add_(delta);
+    }
+    auto after = logits(kept);
+    CHECK(torch::equal(after, logits(fresh)));
+    auto original = load("qwen2");
+    CHECK(max_abs_diff(after, logits(original)) > 1e-3);  // the change is visible at all
+  }
+  // With autograd on, nothing is kept: gradients reach the projections' own weights.
+  logits(kept).sum().backward();
+  for (const char* name : {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight"}) {
+    CAPTURE(name);
+    auto grad = kept.model->named_parameters()[name].grad();
+    REQUIRE(grad.defined());
+    CHECK(grad.abs().sum().item<double>() > 0);
+  }
+}
+
+TEST_CASE("rows of one document without padding take the causal path, with the same logits") {
+  torch::NoGradGuard no_grad;
+  auto m = load("llama3");
+  auto ids = read_reference("llama3")["input_ids"].select(0, 0).unsqueeze(0).repeat({2, 1});  // (2, 12), no padding
+  auto ones = torch::ones_like(ids);
+  auto positions = positions_from_mask(ones);
+  CHECK_FALSE(attention_mask_unless_causal(ones, positions).defined());
+  auto explicit_mask = m.model->logits(m.model->forward(ids, positions, attention_mask(ones, positions)));
+  auto causal = m.model->logits(m.model->forward(ids, positions));
+  CHECK(max_abs_diff(explicit_mask, causal) < 1e-5);
+  // Padding, or a second document in a row, keeps the explicit mask.
+  auto padded = ones.clone();
+  padded[1][0] = 0;
+  CHECK(attention_mask_unless_causal(padded, positions_from_mask(padded)).defined());
+  auto packed = positions.clone();
+  packed[0].narrow(0, 6, 6).copy_(torch::arange(6));
+  CHECK(attention_mask_unless_causal(ones, packed).defined());
+}
+
 TEST_CASE("bfloat16 forward stays close to float32") {
   torch::NoGradGuard no_grad;
   auto m32 = load("qwen2");
