@@ -50,17 +50,24 @@ void set_rng_state(torch::Device device, const torch::Tensor& state) {
 // Parameters being inputs (rather than the reentrant backward() of torch.utils.checkpoint) keeps
 // adapters in the first layer trained when the embedding is frozen; the one visible difference:
 // a tensor hook on a layer parameter fires twice per backward pass, with the same gradient.
+// The attention mask rides along as a plain argument, not an input of the node: it takes no
+// gradient, and it may be undefined (plain causal attention), which a node input may not.
+struct MaskArg {
+  torch::Tensor mask;
+};
+
 struct CheckpointedLayer : torch::autograd::Function<CheckpointedLayer> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, DecoderLayerImpl* layer,
-                               const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& mask,
+                               const torch::Tensor& cos, const torch::Tensor& sin, MaskArg mask,
                                at::TensorList params) {
     ctx->saved_data["layer"] = reinterpret_cast<int64_t>(layer);
     ctx->saved_data["params"] = static_cast<int64_t>(params.size());
     // The random state the layer starts from (LoRA's dropout draws from it), to replay it.
     ctx->saved_data["rng_cpu"] = rng_state(torch::kCPU);
     if (!x.is_cpu()) ctx->saved_data["rng_device"] = rng_state(x.device());
-    ctx->save_for_backward({x, cos, sin, mask});
-    return layer->forward(x, cos, sin, mask, nullptr);  // no graph: autograd is off inside forward
+    ctx->save_for_backward({x, cos, sin});
+    if (mask.mask.defined()) ctx->saved_data["mask"] = mask.mask;
+    return layer->forward(x, cos, sin, mask.mask, nullptr);  // no graph: autograd is off inside forward
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -80,7 +87,8 @@ struct CheckpointedLayer : torch::autograd::Function<CheckpointedLayer> {
       set_rng_state(torch::kCPU, ctx->saved_data["rng_cpu"].toTensor());
       if (!device.is_cpu()) set_rng_state(device, ctx->saved_data["rng_device"].toTensor());
       torch::AutoGradMode enable(true);
-      out = layer->forward(x, saved[1], saved[2], saved[3], nullptr);
+      auto mask = ctx->saved_data.count("mask") ? ctx->saved_data["mask"].toTensor() : torch::Tensor();
+      out = layer->forward(x, saved[1], saved[2], mask, nullptr);
       set_rng_state(torch::kCPU, now_cpu);
       if (!device.is_cpu()) set_rng_state(device, now_device);
     }
@@ -190,7 +198,7 @@ torch::Tensor Trainer::Trunk::forward(const torch::Tensor& ids, const torch::Ten
   auto h = embed->forward(ids);  // (B, T, H)
   auto [cos, sin] = rotary.cos_sin(positions, h.scalar_type());
   for (size_t l = 0; l < layers.size(); ++l)
-    h = CheckpointedLayer::apply(h, layers[l], cos, sin, mask, at::TensorList(layer_params[l]));
+    h = CheckpointedLayer::apply(h, layers[l], cos, sin, MaskArg{mask}, at::TensorList(layer_params[l]));
   return norm->forward(h);
 }
 
