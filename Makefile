@@ -31,13 +31,16 @@ test: build
 demo: build
 	$(BUILD)/troupe run configs/demo.yaml
 
+# Each benchmark runs troupe and its peer in one process and prints both sides and the ratio.
+# async_overlap runs one prompt x G=6 completions of up to 192 tokens per step, so decoding
+# (latency-bound on a CPU) and training take similar time, as its goal asks.
 bench: build
 	$(PY) bench/forward_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_forward --model $(MODEL) --work $(BUILD)/bench_models/smollm2
 	$(PY) bench/generation_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_generate --model $(MODEL) --work $(BUILD)/bench_models/smollm2
 	$(PY) bench/decode_llamacpp.py --bench $(BUILD)/bench/bench_decode --model $(MODEL)
 	$(PY) bench/serve_load.py --troupe $(BUILD)/troupe --model $(MODEL)
 	$(PY) bench/sft_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_sft --model $(MODEL) --work $(BUILD)/bench_models/smollm2
-	$(PY) bench/async_overlap.py --troupe $(BUILD)/troupe --config configs/demo.yaml --steps 20 --set trainer.batch_groups=1 generator.max_tokens=192
+	$(PY) bench/async_overlap.py --troupe $(BUILD)/troupe --config configs/demo.yaml --steps 20 --set trainer.batch_groups=1 generator.group_size=6 generator.max_tokens=192
 
 clean:
 	rm -rf $(BUILD)
