@@ -89,9 +89,9 @@ torch::Tensor Projection::add_lora(const torch::Tensor& y, const torch::Tensor& 
 }
 
 std::pair<torch::Tensor, torch::Tensor> FusedWeights::get(std::initializer_list<const Projection*> parts) {
-  const bool reuse = keep;  // called without autograd only (see AttentionImpl::forward)
+  // Called without autograd only (see AttentionImpl::forward).
   std::vector<std::pair<const void*, int64_t>> key;
-  if (reuse) {
+  if (keep) {
     for (const auto* p : parts)
       for (const auto& t : {p->base->weight, p->base->bias})
         if (t.defined()) key.emplace_back(t.data_ptr(), t._version());
@@ -104,14 +104,10 @@ std::pair<torch::Tensor, torch::Tensor> FusedWeights::get(std::initializer_list<
   }
   auto weight = torch::cat(weights);
   auto bias = biases.empty() ? torch::Tensor() : torch::cat(biases);
-  if (reuse) {
-    weight_ = weight;
-    bias_ = bias;
-    key_ = std::move(key);
-  } else {
-    weight_ = bias_ = torch::Tensor();  // nothing stale is held
-    key_.clear();
-  }
+  // Kept, or nothing stale held once keeping is turned off.
+  weight_ = keep ? weight : torch::Tensor();
+  bias_ = keep ? bias : torch::Tensor();
+  key_ = std::move(key);
   return {weight, bias};
 }
 

@@ -8,7 +8,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <numbers>
 
 #include "kernels/logprobs.hpp"
 #include "policy/error.hpp"
@@ -229,23 +228,13 @@ PpoTrainer::PpoTrainer(Transformer policy, PpoConfig config, uint64_t seed)
   params_ = model_->parameters();
   for (auto& p : value_head_->parameters()) params_.push_back(p);
   for (auto& p : params_) p.requires_grad_(true);
-  const auto& o = config_.optimizer;
-  optimizer_ = std::make_unique<torch::optim::AdamW>(
-      params_, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  optimizer_ = make_adamw(params_, config_.optimizer);
   model_->train();
 }
 
 PpoTrainer::~PpoTrainer() = default;
 
-// The same warmup + cosine as Trainer::lr_at (test_ppo checks they agree).
-double PpoTrainer::lr_at(int64_t step) const {
-  const auto& o = config_.optimizer;
-  if (o.warmup_steps > 0 && step < o.warmup_steps) return o.lr * (step + 1) / static_cast<double>(o.warmup_steps);
-  if (o.total_steps <= o.warmup_steps) return o.lr;
-  double progress = std::min(1.0, (step - o.warmup_steps) / static_cast<double>(o.total_steps - o.warmup_steps));
-  double cosine = 0.5 * (1 + std::cos(std::numbers::pi * progress));
-  return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * cosine);
-}
+double PpoTrainer::lr_at(int64_t step) const { return scheduled_lr(config_.optimizer, step); }
 
 PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
   if (groups.empty()) throw Error("ppo: step needs at least one rollout group");

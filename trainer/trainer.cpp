@@ -232,23 +232,27 @@ Trainer::Trainer(Transformer model, TrainerConfig config, std::vector<torch::Ten
   }
   for (auto& p : model_->parameters())
     if (!optimized.count(p.unsafeGetTensorImpl())) p.requires_grad_(false);
-  const auto& o = config_.optimizer;
-  optimizer_ = std::make_unique<torch::optim::AdamW>(
-      params_, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  optimizer_ = make_adamw(params_, config_.optimizer);
   if (config_.activation_checkpointing) trunk_ = std::make_unique<Trunk>(*model_);
   model_->train();
 }
 
 Trainer::~Trainer() = default;
 
-double Trainer::lr_at(int64_t step) const {
-  const auto& o = config_.optimizer;
+std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<torch::Tensor>& params, const OptimizerConfig& o) {
+  return std::make_unique<torch::optim::AdamW>(
+      params, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+}
+
+double scheduled_lr(const OptimizerConfig& o, int64_t step) {
   if (o.warmup_steps > 0 && step < o.warmup_steps) return o.lr * (step + 1) / static_cast<double>(o.warmup_steps);
   if (o.total_steps <= o.warmup_steps) return o.lr;
   double progress = std::min(1.0, (step - o.warmup_steps) / static_cast<double>(o.total_steps - o.warmup_steps));
   double cosine = 0.5 * (1 + std::cos(std::numbers::pi * progress));
   return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * cosine);
 }
+
+double Trainer::lr_at(int64_t step) const { return scheduled_lr(config_.optimizer, step); }
 
 double Trainer::finish_step() {
   double norm = 0;

@@ -48,6 +48,12 @@ struct TrainerConfig {
   int64_t dpo_micro_pairs = 0;              // pairs per forward/backward in dpo_step; 0 = all at once
 };
 
+// AdamW over `params` with the config's hyperparameters, and the learning rate at optimizer
+// step `step`: linear warmup, then cosine down to min_lr_ratio x lr at total_steps. Shared by
+// Trainer and PpoTrainer.
+std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<torch::Tensor>& params, const OptimizerConfig& config);
+double scheduled_lr(const OptimizerConfig& config, int64_t step);
+
 // An AdamW state (moments and step counts of `params`) and a version, with torch::serialize;
 // what Trainer::save_state and PpoTrainer::save_state write. load_optimizer_state returns the
 // version and throws Error naming the file when it is not such a file or was saved for another

@@ -21,6 +21,24 @@ using Run = troupe::test::CommandResult;
 
 Run shell(const std::string& cmd) { return run_command(cmd + " 2>&1"); }
 
+// `troupe run configs/CONFIG.yaml` on the arithmetic fixture (its sft warm-up included) into
+// fixtures/RUN_NAME; the lines of its metrics.jsonl.
+std::vector<nlohmann::json> run_arithmetic(const std::string& config, const std::string& run_name) {
+  auto task = fixtures() / "arithmetic";
+  auto dir = fixtures() / run_name;
+  fs::remove_all(dir);
+  std::string cmd = "cd '" + source().string() + "' && '" + env_dir("TROUPE_BIN").string() + "' run configs/" + config +
+                    ".yaml model.path='" + (task / "model").string() + "' data.train.path='" +
+                    (task / "train.jsonl").string() + "' trainer.sft_warmup.path='" + (task / "format.jsonl").string() +
+                    "' run.dir='" + dir.string() + "'";
+  auto r = shell(cmd);
+  REQUIRE_MESSAGE(r.status == 0, r.out);
+  std::ifstream in(dir / "metrics.jsonl");
+  std::vector<nlohmann::json> steps;
+  for (std::string line; std::getline(in, line);) steps.push_back(nlohmann::json::parse(line));
+  return steps;
+}
+
 }  // namespace
 
 TEST_CASE("troupe run trains the tiny arithmetic config and writes the run folder") {
@@ -93,19 +111,8 @@ TEST_CASE("troupe run with engine: remote generates through troupe serve and syn
 }
 
 TEST_CASE("troupe run trains the tiny arithmetic config with PPO (value head, GAE) through the async graph") {
-  auto task = fixtures() / "arithmetic";
+  auto steps = run_arithmetic("tiny_arithmetic_ppo", "run_tiny_arithmetic_ppo");
   auto dir = fixtures() / "run_tiny_arithmetic_ppo";
-  fs::remove_all(dir);
-  std::string cmd = "cd '" + source().string() + "' && '" + env_dir("TROUPE_BIN").string() +
-                    "' run configs/tiny_arithmetic_ppo.yaml model.path='" + (task / "model").string() +
-                    "' data.train.path='" + (task / "train.jsonl").string() + "' trainer.sft_warmup.path='" +
-                    (task / "format.jsonl").string() + "' run.dir='" + dir.string() + "'";
-  auto r = shell(cmd);
-  INFO(r.out);
-  REQUIRE(r.status == 0);
-  std::ifstream in(dir / "metrics.jsonl");
-  std::vector<nlohmann::json> steps;
-  for (std::string line; std::getline(in, line);) steps.push_back(nlohmann::json::parse(line));
   REQUIRE(steps.size() == 200);
   auto mean = [&](size_t from, size_t n) {
     double s = 0;
@@ -128,19 +135,7 @@ TEST_CASE("troupe run trains the tiny arithmetic config with PPO (value head, GA
 }
 
 TEST_CASE("troupe run trains the tiny arithmetic config with online DPO: best and worst of each group form a pair") {
-  auto task = fixtures() / "arithmetic";
-  auto dir = fixtures() / "run_tiny_arithmetic_online_dpo";
-  fs::remove_all(dir);
-  std::string cmd = "cd '" + source().string() + "' && '" + env_dir("TROUPE_BIN").string() +
-                    "' run configs/tiny_arithmetic_online_dpo.yaml model.path='" + (task / "model").string() +
-                    "' data.train.path='" + (task / "train.jsonl").string() + "' trainer.sft_warmup.path='" +
-                    (task / "format.jsonl").string() + "' run.dir='" + dir.string() + "'";
-  auto r = shell(cmd);
-  INFO(r.out);
-  REQUIRE(r.status == 0);
-  std::ifstream in(dir / "metrics.jsonl");
-  std::vector<nlohmann::json> steps;
-  for (std::string line; std::getline(in, line);) steps.push_back(nlohmann::json::parse(line));
+  auto steps = run_arithmetic("tiny_arithmetic_online_dpo", "run_tiny_arithmetic_online_dpo");
   REQUIRE(steps.size() == 200);
   // A step whose groups all tied trains nothing and reports no reward; the means skip it.
   auto mean = [&](size_t from, size_t n) {
