@@ -429,7 +429,9 @@ void finish_checkpoint(const GraphSpec& spec, TrainerState::PendingCheckpoint& c
   nlohmann::json state{{"recipe", spec.recipe}, {"model", spec.model_source.string()}, {"step", c.step},
                        {"policy_version", c.policy_version}, {"rollout_batches", {c.begin, c.end}},
                        {"rollouts", "rollouts.msgpack"}};
-  std::ofstream(c.dir / "trainer_state.json") << state.dump(2) << "\n";
+  // Written to a side file and renamed, so that a kill mid-write leaves no half file behind.
+  std::ofstream(c.dir / "trainer_state.json.part") << state.dump(2) << "\n";
+  std::filesystem::rename(c.dir / "trainer_state.json.part", c.dir / "trainer_state.json");
 }
 
 // Copies the groups pending checkpoints wait for; finishes those that have them all.

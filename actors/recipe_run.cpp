@@ -9,13 +9,23 @@
 
 #include <torch/torch.h>
 
+#include "policy/dtype.hpp"
 #include "policy/error.hpp"
 #include "policy/safetensors.hpp"
 #include "policy/seed.hpp"
 
 namespace troupe::recipe {
 
-torch::Dtype dtype_of(ModelDtype d) { return d == ModelDtype::bfloat16 ? torch::kBFloat16 : torch::kFloat32; }
+torch::Dtype dtype_of(ModelDtype d) {
+  TORCH_CHECK(d != ModelDtype::automatic, "model.dtype auto reached dtype_of unresolved: call resolve_model_dtype first");
+  return d == ModelDtype::bfloat16 ? torch::kBFloat16 : torch::kFloat32;
+}
+
+ModelDtype resolve_model_dtype(const ModelSection& m) {
+  auto choice = choose_dtype(to_string(m.dtype), torch::Device(m.device), "model.dtype");
+  if (!choice.note.empty()) (choice.warning ? std::cerr : std::cout) << "troupe run: " << choice.note << std::endl;
+  return choice.dtype == torch::kBFloat16 ? ModelDtype::bfloat16 : ModelDtype::float32;
+}
 
 TrainerConfig trainer_config(const RunConfig& c) {
   const auto& t = c.trainer;
@@ -161,7 +171,9 @@ void RunFolder::checkpoint(const Policy& p, int64_t step, const nlohmann::json& 
   torch::save(at::detail::getDefaultCPUGenerator().get_state(), (dir / "rng.pt").string());
   nlohmann::json state{{"recipe", std::string(to_string(c_.recipe))}, {"model", c_.model.path}, {"step", step},
                        {"policy_version", p.trainer->version()}, {"cursor", cursor}};
-  std::ofstream(dir / "trainer_state.json") << state.dump(2) << "\n";
+  // Written to a side file and renamed, so that a kill mid-write leaves no half file behind.
+  std::ofstream(dir / "trainer_state.json.part") << state.dump(2) << "\n";
+  std::filesystem::rename(dir / "trainer_state.json.part", dir / "trainer_state.json");
 }
 
 namespace {

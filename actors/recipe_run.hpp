@@ -27,7 +27,11 @@ GraphResult run_dpo(const RunConfig& config, const std::atomic<bool>* stop_reque
 
 namespace recipe {
 
+// The torch dtype of a resolved model.dtype (float32 or bfloat16; auto must be resolved first).
 torch::Dtype dtype_of(ModelDtype d);
+// model.dtype with auto decided for this machine and device; prints what auto chose and why,
+// and warns when an explicit bfloat16 is emulated (slow) on this CPU.
+ModelDtype resolve_model_dtype(const ModelSection& m);
 TrainerConfig trainer_config(const RunConfig& c);
 std::optional<LoraConfig> lora_config(const RunConfig& c);
 // The end-of-sequence id to train after plain-text responses: the tokenizer's, unless it lies

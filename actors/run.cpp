@@ -92,7 +92,9 @@ std::map<std::string, torch::Tensor> sft_warmup(const RunConfig& c, const Tokeni
 
 }  // namespace
 
-GraphResult run_config(const RunConfig& c, const std::atomic<bool>* stop_requested) {
+GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_requested) {
+  RunConfig c = given;
+  c.model.dtype = recipe::resolve_model_dtype(c.model);  // runs/NAME/config.yaml records what auto chose
   switch (c.recipe) {
     case Recipe::sft:
     case Recipe::lora: return run_sft(c, stop_requested);

@@ -4,6 +4,8 @@
 #include <array>
 #include <atomic>
 #include <csignal>
+#include <pthread.h>
+#include <thread>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -19,6 +21,7 @@
 #include "generator/server.hpp"
 #include "policy/chat_template.hpp"
 #include "policy/checkpoint.hpp"
+#include "policy/dtype.hpp"
 #include "policy/error.hpp"
 #include "policy/perplexity.hpp"
 #include "reward/score_file.hpp"
@@ -29,11 +32,11 @@ namespace {
 using namespace troupe;
 namespace fs = std::filesystem;
 
+// --dtype of the commands that compute on the CPU: auto decided here, a slow choice warned about.
 torch::Dtype parse_dtype(const std::string& name) {
-  if (name == "float32") return torch::kFloat32;
-  if (name == "bfloat16") return torch::kBFloat16;
-  if (name == "float16") return torch::kFloat16;
-  throw Error("--dtype '" + name + "': expected float32, bfloat16 or float16");
+  auto choice = choose_dtype(name, torch::kCPU, "--dtype");
+  if (!choice.note.empty()) std::cerr << "troupe: " << choice.note << std::endl;
+  return choice.dtype;
 }
 
 const Tokenizer& require_tokenizer(const LoadedModel& m) {
@@ -230,16 +233,38 @@ int run_ls() {
 
 std::atomic<bool> g_stop{false};
 
-// Ctrl-C asks the graph to stop after the current step; a second one ends the process.
-void on_interrupt(int) {
-  if (g_stop.exchange(true)) std::_Exit(130);
+// A first Ctrl-C stops the run after the current step, with its checkpoint and metrics as
+// usual. A second Ctrl-C, or a SIGTERM, stops it now: metrics.jsonl and failures.jsonl are
+// flushed line by line and a checkpoint counts only once its trainer_state.json is in place,
+// so exiting at once loses only the step in progress (resume= continues from the last
+// checkpoint). The signals are taken by one thread with sigwait, so that it may print and
+// flush; they are blocked before any other thread starts, and every thread inherits that.
+void watch_stop_signals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::thread([signals] {
+    for (;;) {
+      int sig = 0;
+      if (sigwait(&signals, &sig) != 0) continue;
+      if (sig == SIGINT && !g_stop.exchange(true)) {
+        std::cerr << "\ntroupe run: Ctrl-C: stopping after this step (Ctrl-C again stops now)" << std::endl;
+        continue;
+      }
+      std::cerr << "\ntroupe run: " << (sig == SIGINT ? "second Ctrl-C" : "SIGTERM")
+                << ": stopping now; resume= continues from the last checkpoint" << std::endl;
+      std::cout.flush();
+      std::_Exit(128 + sig);
+    }
+  }).detach();
 }
 
 int run_from_config(const std::string& path, const std::vector<std::string>& overrides) {
   auto config = troupe::load_run_config(path, overrides);
   troupe::validate_paths(config);
-  std::signal(SIGINT, on_interrupt);
-  std::signal(SIGTERM, on_interrupt);
+  watch_stop_signals();
   std::cout << "troupe run: " << path << " -> " << config.run.dir << std::endl;
   auto result = troupe::run_config(config, &g_stop);
   if (!result.ok) {
@@ -265,7 +290,7 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--max-tokens", gen.max_tokens, "Most new tokens")->check(CLI::Range(1, 1 << 20));
   generate_cmd->add_option("--temperature", gen.temperature, "0 for greedy")->check(CLI::Range(0.0, 100.0));
   generate_cmd->add_option("--seed", gen.seed, "Sampling seed");
-  generate_cmd->add_option("--dtype", gen.dtype, "float32, bfloat16 or float16");
+  generate_cmd->add_option("--dtype", gen.dtype, "auto, float32, bfloat16 or float16 (auto: bfloat16 only where computed natively)");
 
   std::string tokenizer_path;
   bool decode = false;
@@ -285,7 +310,7 @@ int main(int argc, char** argv) {
   ppl_cmd->add_option("--limit", ppl_limit, "Use the first N lines (0: all)")->check(CLI::NonNegativeNumber);
   ppl_cmd->add_option("--batch-size", ppl_batch, "Texts per forward pass")->check(CLI::Range(1, 4096));
   ppl_cmd->add_option("--max-length", ppl_max_length, "Cut texts to this many tokens")->check(CLI::Range(2, 1 << 20));
-  ppl_cmd->add_option("--dtype", ppl_dtype, "float32, bfloat16 or float16");
+  ppl_cmd->add_option("--dtype", ppl_dtype, "auto, float32, bfloat16 or float16 (auto: bfloat16 only where computed natively)");
 
   Gsm8kEvalOptions g8k;
   std::string g8k_model, g8k_dtype = "float32";
@@ -302,7 +327,7 @@ int main(int argc, char** argv) {
   gsm8k_cmd->add_option("--batch", g8k.batch, "Sequences decoded together")->check(CLI::Range(1, 4096));
   gsm8k_cmd->add_option("--system", g8k.system, "A system message (default: the chat template's)");
   gsm8k_cmd->add_option("--seed", g8k.seed, "Sampling seed");
-  gsm8k_cmd->add_option("--dtype", g8k_dtype, "float32, bfloat16 or float16");
+  gsm8k_cmd->add_option("--dtype", g8k_dtype, "auto, float32, bfloat16 or float16 (auto: bfloat16 only where computed natively)");
 
   std::string convert_in, convert_out, convert_dtype = "float32";
   auto* convert_cmd = app.add_subcommand("convert", "Write a model (.gguf or HF folder) as a Hugging Face folder");
@@ -317,7 +342,7 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--port", srv.port, "Port; 0 picks a free one")->check(CLI::Range(0, 65535));
   serve_cmd->add_option("--api-key", srv.api_key, "Require 'Authorization: Bearer KEY'");
   serve_cmd->add_option("--served-model-name", srv.served_model_name, "The model name clients use (default: --model)");
-  serve_cmd->add_option("--dtype", srv.dtype, "float32, bfloat16 or float16");
+  serve_cmd->add_option("--dtype", srv.dtype, "auto, float32, bfloat16 or float16 (auto: bfloat16 only where computed natively)");
   serve_cmd->add_option("--device", srv.device, "cpu or cuda[:N]");
   serve_cmd->add_option("--max-batch", srv.max_batch, "Sequences decoded together")->check(CLI::Range(1, 4096));
   serve_cmd->add_option("--max-seq-len", srv.max_seq_len, "Prompt + completion tokens")->check(CLI::Range(2, 1 << 20));
@@ -386,7 +411,8 @@ int main(int argc, char** argv) {
     }
     if (*convert_cmd) {
       auto m = load_model(convert_in);
-      save_hf_dir(m, convert_out, {.dtype = parse_dtype(convert_dtype)});
+      if (convert_dtype == "auto") throw Error("--dtype auto: convert writes a file; name its dtype (float32, bfloat16 or float16)");
+      save_hf_dir(m, convert_out, {.dtype = choose_dtype(convert_dtype, torch::kCPU, "--dtype").dtype});
       std::cout << "wrote " << convert_out << std::endl;
       return 0;
     }

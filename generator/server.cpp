@@ -20,6 +20,7 @@
 #include "generator/engine_loop.hpp"
 #include "policy/chat_template.hpp"
 #include "policy/checkpoint.hpp"
+#include "policy/dtype.hpp"
 #include "policy/error.hpp"
 #include "policy/safetensors.hpp"
 
@@ -249,13 +250,6 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
-}
-
-torch::Dtype parse_dtype(const std::string& name) {
-  if (name == "float32") return torch::kFloat32;
-  if (name == "bfloat16") return torch::kBFloat16;
-  if (name == "float16") return torch::kFloat16;
-  throw Error("--dtype '" + name + "': expected float32, bfloat16 or float16");
 }
 
 torch::Device parse_device(const std::string& name) {
@@ -954,8 +948,10 @@ LoadedModel load(const ServeOptions& o) {
   if (o.max_batch < 1) throw Error("--max-batch must be at least 1");
   if (o.max_seq_len < 2) throw Error("--max-seq-len must be at least 2");
   LoadOptions lo;
-  lo.dtype = parse_dtype(o.dtype);
   lo.device = parse_device(o.device);
+  auto dtype = choose_dtype(o.dtype, lo.device, "--dtype");
+  if (!dtype.note.empty()) std::cerr << "troupe serve: " << dtype.note << std::endl;
+  lo.dtype = dtype.dtype;
   return load_model(o.model, lo);
 }
 

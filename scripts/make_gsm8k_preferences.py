@@ -5,7 +5,8 @@ chosen is GSM8K's reference solution as it is; rejected is the same solution wit
 "#### N" and the last N in the reasoning (with its calculator annotation "<<...=N>>") replaced by
 a wrong number, so the pair differs only in the answer. The wrong number is drawn from a random
 generator seeded by --seed and the line number: the same input gives the same file. Standard
-library only; not part of `make setup`. Run from the repository root:
+library only; scripts/setup.sh runs it once (so `make setup` makes data/gsm8k_preferences.jsonl).
+Run from the repository root:
 
     python3 scripts/make_gsm8k_preferences.py
     python3 scripts/make_gsm8k_preferences.py --input ../shared/data/gsm8k/train.jsonl \

