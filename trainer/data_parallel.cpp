@@ -1,0 +1,344 @@
+// Flat per-block buffers, c10d collectives and AdamW on the shard. The formulas are the
+// one-rank trainer's: gradients of a loss divided by global counts, summed over ranks; the
+// global norm sqrt(sum over ranks of |g_shard|^2); clip coefficient max_norm / (norm + 1e-6)
+// when below 1 (torch's clip_grad_norm_); AdamW elementwise, so a shard steps as the whole.
+#include "trainer/data_parallel.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "policy/error.hpp"
+
+namespace troupe {
+
+struct DataParallel::Block {
+  std::string name;                  // model.embed_tokens, model.layers.N, or rest
+  std::vector<size_t> members;       // indices into params_
+  std::vector<int64_t> offsets;      // each member's offset in the flat buffer
+  int64_t numel = 0, padded = 0;     // elements, and rounded up to a multiple of the world size
+};
+
+namespace {
+
+constexpr const char* kLayoutFormat = "troupe-sharded-optimizer";
+constexpr int64_t kLayoutVersion = 1;
+
+// Blocks in a fixed order: the embedding, each decoder layer by number, then the rest.
+std::tuple<int, int64_t, std::string> block_of(const std::string& name) {
+  const std::string layers = "model.layers.";
+  if (name.rfind(layers, 0) == 0) {
+    auto dot = name.find('.', layers.size());
+    auto n = name.substr(layers.size(), dot - layers.size());
+    return {1, std::stoll(n), layers + n};
+  }
+  if (name.rfind("model.embed_tokens", 0) == 0) return {0, 0, "model.embed_tokens"};
+  return {2, 0, "rest"};
+}
+
+torch::optim::AdamWParamState& adam_state(torch::optim::AdamW& opt, const torch::Tensor& p) {
+  auto& slot = opt.state()[p.unsafeGetTensorImpl()];
+  if (!slot) {
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    s->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    slot = std::move(s);
+  }
+  return static_cast<torch::optim::AdamWParamState&>(*slot);
+}
+
+std::string rank_file(int r) { return "optimizer.rank" + std::to_string(r) + ".pt"; }
+
+}  // namespace
+
+DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
+                           std::vector<std::pair<std::string, at::Tensor>> named, const OptimizerConfig& config)
+    : group_(std::move(group)), mode_(mode), config_(config) {
+  if (named.empty()) throw Error("data parallel: no parameters to train");
+  // Stable: within a block the trainer's own order, so every rank lays out the same buffer.
+  std::vector<size_t> order(named.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    auto [ka, na, sa] = block_of(named[a].first);
+    auto [kb, nb, sb] = block_of(named[b].first);
+    return std::tie(ka, na) < std::tie(kb, nb);
+  });
+  const int64_t W = group_->size();
+  for (size_t i : order) {
+    auto [kind, n, block] = block_of(named[i].first);
+    if (blocks_.empty() || blocks_.back().name != block) blocks_.push_back(Block{.name = block});
+    auto& b = blocks_.back();
+    b.members.push_back(params_.size());
+    b.offsets.push_back(b.numel);
+    b.numel += named[i].second.numel();
+    params_.push_back(named[i].second);
+    names_.push_back(named[i].first);
+  }
+  for (auto& b : blocks_) b.padded = (b.numel + W - 1) / W * W;
+  original_ = {};
+  for (auto& [name, p] : named) original_.push_back(p);
+  if (mode_ == Sharding::none) {
+    optimizer_ = make_adamw(params_, config_);
+  } else {
+    torch::NoGradGuard no_grad;
+    for (auto& b : blocks_) {
+      auto flat = flatten(b, /*grads=*/false);
+      masters_.push_back(flat.narrow(0, group_->rank() * (b.padded / W), b.padded / W).clone().requires_grad_(true));
+    }
+    optimizer_ = make_adamw(masters_, config_);
+  }
+}
+
+DataParallel::~DataParallel() = default;
+
+torch::Tensor DataParallel::flatten(const Block& b, bool grads) const {
+  auto flat = torch::zeros({b.padded}, params_[b.members[0]].options().dtype(torch::kFloat32));
+  for (size_t k = 0; k < b.members.size(); ++k) {
+    const auto& p = params_[b.members[k]];
+    const auto& src = grads ? p.grad() : p;
+    if (src.defined()) flat.narrow(0, b.offsets[k], p.numel()).copy_(src.detach().reshape({-1}));
+  }
+  return flat;
+}
+
+double DataParallel::step(double lr) {
+  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  double norm = mode_ == Sharding::none ? step_replicated() : step_sharded();
+  for (auto& p : params_) p.mutable_grad().reset();
+  for (auto& m : masters_) m.mutable_grad().reset();
+  return norm;
+}
+
+double DataParallel::step_replicated() {
+  torch::NoGradGuard no_grad;
+  for (auto& b : blocks_) {
+    auto flat = flatten(b, /*grads=*/true);
+    if (group_->size() > 1) group_->all_reduce_sum(flat);
+    for (size_t k = 0; k < b.members.size(); ++k) {
+      auto& p = params_[b.members[k]];
+      p.mutable_grad() = flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).to(p.dtype()).clone();
+    }
+  }
+  // Every rank now holds the global gradient: the one-rank trainer's clip and step, in the
+  // trainer's parameter order (so that one rank through this path is bit for bit the same).
+  double norm = 0;
+  if (config_.max_grad_norm > 0) {
+    norm = torch::nn::utils::clip_grad_norm_(original_, config_.max_grad_norm);
+  } else {
+    for (const auto& p : original_)
+      if (p.grad().defined()) norm += p.grad().pow(2).sum().item<double>();
+    norm = std::sqrt(norm);
+  }
+  optimizer_->step();
+  return norm;
+}
+
+double DataParallel::step_sharded() {
+  torch::NoGradGuard no_grad;
+  const int64_t W = group_->size(), r = group_->rank();
+  double local = 0;
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    auto& b = blocks_[i];
+    const int64_t n = b.padded / W;
+    auto flat = flatten(b, /*grads=*/true);
+    for (size_t k : b.members) params_[k].mutable_grad().reset();  // zero2 keeps only the shard from here
+    torch::Tensor shard;
+    if (mode_ == Sharding::zero1) {
+      if (W > 1) group_->all_reduce_sum(flat);
+      shard = flat.narrow(0, r * n, n).clone();
+    } else {
+      shard = torch::empty({n}, flat.options());
+      if (W > 1) group_->reduce_scatter_sum(shard, flat); else shard.copy_(flat);
+    }
+    local += shard.to(torch::kFloat64).pow(2).sum().item<double>();
+    masters_[i].mutable_grad() = shard;
+  }
+  const double norm = std::sqrt(W > 1 ? group_->sum(local) : local);
+  if (config_.max_grad_norm > 0) {
+    const double coef = config_.max_grad_norm / (norm + 1e-6);
+    if (coef < 1)
+      for (auto& m : masters_) m.mutable_grad().mul_(coef);
+  }
+  optimizer_->step();
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    auto& b = blocks_[i];
+    auto full = torch::empty({b.padded}, masters_[i].options().requires_grad(false));
+    if (W > 1) group_->all_gather(full, masters_[i].detach()); else full.copy_(masters_[i].detach());
+    for (size_t k = 0; k < b.members.size(); ++k) {
+      auto& p = params_[b.members[k]];
+      p.detach().copy_(full.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
+    }
+  }
+  return norm;
+}
+
+MemoryBytes DataParallel::memory() const {
+  MemoryBytes m;
+  const int64_t W = group_->size();
+  for (const auto& p : params_) m.params += p.numel() * p.element_size();
+  if (mode_ == Sharding::none) {
+    m.grads = m.params;
+    m.optimizer = 2 * m.params;  // exp_avg and exp_avg_sq, in the parameters' dtype
+  } else {
+    int64_t shard = 0;
+    for (const auto& b : blocks_) shard += b.padded / W;
+    m.grads = mode_ == Sharding::zero1 ? m.params : shard * 4;
+    m.optimizer = 3 * shard * 4;  // fp32 master, exp_avg, exp_avg_sq
+  }
+  return m;
+}
+
+// The state as flat fp32 buffers per block: [block] {master (or params), exp_avg, exp_avg_sq}
+// of this rank's slice [r * padded / W, (r + 1) * padded / W).
+void DataParallel::save_state(const std::filesystem::path& dir, int64_t version) const {
+  torch::NoGradGuard no_grad;
+  const int64_t W = group_->size(), r = group_->rank();
+  std::filesystem::create_directories(dir);
+  torch::serialize::OutputArchive archive;
+  int64_t step = 0;
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const auto& b = blocks_[i];
+    const int64_t n = b.padded / W;
+    torch::Tensor master, avg, avg_sq;
+    if (mode_ == Sharding::none) {
+      auto full_avg = torch::zeros({b.padded}, torch::kFloat32), full_sq = torch::zeros({b.padded}, torch::kFloat32);
+      for (size_t k = 0; k < b.members.size(); ++k) {
+        const auto& p = params_[b.members[k]];
+        auto it = optimizer_->state().find(p.unsafeGetTensorImpl());
+        if (it == optimizer_->state().end()) continue;
+        auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+        full_avg.narrow(0, b.offsets[k], p.numel()).copy_(s.exp_avg().reshape({-1}));
+        full_sq.narrow(0, b.offsets[k], p.numel()).copy_(s.exp_avg_sq().reshape({-1}));
+        step = s.step();
+      }
+      master = flatten(b, false).narrow(0, r * n, n).clone();
+      avg = full_avg.narrow(0, r * n, n).clone();
+      avg_sq = full_sq.narrow(0, r * n, n).clone();
+    } else {
+      master = masters_[i].detach().clone();
+      auto it = optimizer_->state().find(masters_[i].unsafeGetTensorImpl());
+      if (it != optimizer_->state().end()) {
+        auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+        avg = s.exp_avg().clone();
+        avg_sq = s.exp_avg_sq().clone();
+        step = s.step();
+      } else {
+        avg = torch::zeros({n}, torch::kFloat32);
+        avg_sq = torch::zeros({n}, torch::kFloat32);
+      }
+    }
+    archive.write("master/" + std::to_string(i), master.cpu());
+    archive.write("exp_avg/" + std::to_string(i), avg.cpu());
+    archive.write("exp_avg_sq/" + std::to_string(i), avg_sq.cpu());
+  }
+  archive.write("step", torch::tensor(step));
+  archive.write("rank", torch::tensor(r));
+  try {
+    archive.save_to((dir / rank_file(r)).string());
+  } catch (const c10::Error& e) {
+    throw Error((dir / rank_file(r)).string() + ": cannot write the optimizer shard (" + e.what_without_backtrace() + ")");
+  }
+  if (r == 0) {
+    nlohmann::json blocks = nlohmann::json::array();
+    for (const auto& b : blocks_) {
+      nlohmann::json params = nlohmann::json::array();
+      for (size_t k : b.members) params.push_back({{"name", names_[k]}, {"shape", params_[k].sizes().vec()}});
+      blocks.push_back({{"name", b.name}, {"numel", b.numel}, {"padded", b.padded}, {"params", params}});
+    }
+    const char* modes[] = {"none", "zero1", "zero2"};
+    nlohmann::json layout{{"format", kLayoutFormat}, {"format_version", kLayoutVersion},
+                          {"sharding", modes[static_cast<int>(mode_)]}, {"world_size", W},
+                          {"version", version}, {"files", nullptr}, {"blocks", blocks}};
+    nlohmann::json files = nlohmann::json::array();
+    for (int64_t k = 0; k < W; ++k) files.push_back(rank_file(static_cast<int>(k)));
+    layout["files"] = files;
+    std::ofstream(dir / "layout.json") << layout.dump(2) << "\n";
+  }
+}
+
+int64_t DataParallel::load_state(const std::filesystem::path& dir) {
+  torch::NoGradGuard no_grad;
+  const auto layout_file = dir / "layout.json";
+  const std::string where = layout_file.string();
+  std::ifstream in(layout_file);
+  if (!in) throw Error(where + ": no sharded optimizer layout (not a checkpoint of a data-parallel run?)");
+  auto layout = nlohmann::json::parse(in, nullptr, false);
+  if (layout.is_discarded() || !layout.is_object() || layout.value("format", "") != kLayoutFormat)
+    throw Error(where + ": not a troupe sharded optimizer layout");
+  if (layout.value("format_version", 0) != kLayoutVersion)
+    throw Error(where + ": layout format " + layout["format_version"].dump() + ", this build reads " + std::to_string(kLayoutVersion));
+  const auto& saved_blocks = layout["blocks"];
+  if (!saved_blocks.is_array() || saved_blocks.size() != blocks_.size())
+    throw Error(where + ": the checkpoint has " + std::to_string(saved_blocks.size()) + " parameter blocks, this model " +
+                std::to_string(blocks_.size()) + " (a checkpoint of another model, or of another LoRA setup?)");
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const auto& s = saved_blocks[i];
+    const auto& b = blocks_[i];
+    if (s.value("name", "") != b.name || s.value("numel", int64_t{-1}) != b.numel || s["params"].size() != b.members.size())
+      throw Error(where + ": block " + std::to_string(i) + " is " + s.value("name", "?") + " with " +
+                  s["numel"].dump() + " elements in the checkpoint but " + b.name + " with " + std::to_string(b.numel) +
+                  " here (a checkpoint of another model?)");
+    for (size_t k = 0; k < b.members.size(); ++k)
+      if (s["params"][k].value("name", "") != names_[b.members[k]])
+        throw Error(where + ": parameter " + s["params"][k].value("name", "?") + " in the checkpoint where this model has " +
+                    names_[b.members[k]]);
+  }
+  const int64_t saved_world = layout.value("world_size", int64_t{0});
+  const bool saved_sharded = layout.value("sharding", "none") != "none";
+  std::vector<torch::serialize::InputArchive> shards(saved_world);
+  for (int64_t k = 0; k < saved_world; ++k) {
+    auto file = dir / rank_file(static_cast<int>(k));
+    try {
+      shards[k].load_from(file.string());
+    } catch (const c10::Error& e) {
+      throw Error(file.string() + ": cannot read this optimizer shard (" + e.what_without_backtrace() + ")");
+    }
+  }
+  torch::Tensor step_t;
+  shards[0].read("step", step_t);
+  const int64_t step = step_t.item<int64_t>();
+  const int64_t W = group_->size(), r = group_->rank();
+  // Each block's full state, from the saved ranks' slices, cut to its real length.
+  auto full = [&](const std::string& key, size_t i) {
+    std::vector<torch::Tensor> parts;
+    for (auto& a : shards) {
+      torch::Tensor t;
+      a.read(key + "/" + std::to_string(i), t);
+      parts.push_back(t);
+    }
+    return torch::cat(parts).narrow(0, 0, blocks_[i].numel);
+  };
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const auto& b = blocks_[i];
+    auto avg = full("exp_avg", i), avg_sq = full("exp_avg_sq", i);
+    if (mode_ == Sharding::none) {
+      for (size_t k = 0; k < b.members.size(); ++k) {
+        auto& p = params_[b.members[k]];
+        auto& s = adam_state(*optimizer_, p);
+        s.step(step);
+        s.exp_avg(avg.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).to(p.options()).clone());
+        s.exp_avg_sq(avg_sq.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).to(p.options()).clone());
+      }
+    } else {
+      const int64_t n = b.padded / W;
+      auto pad = [&](const torch::Tensor& t) {
+        auto out = torch::zeros({b.padded}, torch::kFloat32);
+        out.narrow(0, 0, b.numel).copy_(t);
+        return out.narrow(0, r * n, n).clone().to(masters_[i].device());
+      };
+      // fp32 masters come back from the shards (bf16 parameters would have rounded them).
+      if (saved_sharded) masters_[i].detach().copy_(pad(full("master", i)));
+      auto& s = adam_state(*optimizer_, masters_[i]);
+      s.step(step);
+      s.exp_avg(pad(avg));
+      s.exp_avg_sq(pad(avg_sq));
+    }
+  }
+  return layout.value("version", int64_t{0});
+}
+
+}  // namespace troupe

@@ -1,0 +1,82 @@
+// Data parallelism over trainer ranks, applied to a Trainer from outside (the Trainer is
+// written for one replica): gradients reduced in flat per-block buffers, clipped by the global
+// norm, AdamW stepped on the whole model (none) or on this rank's shard with fp32 master
+// weights (zero1, zero2), parameters gathered back. Collectives are c10d's (process_group.hpp).
+// Deliberately not here: zero3's sharded parameters (see DataParallel::Sharding).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "trainer/process_group.hpp"
+#include "trainer/trainer.hpp"
+
+namespace troupe {
+
+enum class Sharding {
+  none,   // every rank keeps everything; gradients all-reduced (DDP)
+  zero1,  // optimizer state and fp32 master weights sharded; gradients all-reduced
+  zero2,  // + gradients reduce-scattered: each rank keeps only its shard of them
+};
+
+// What one rank holds for training, in bytes (metrics.jsonl's memory/* keys).
+struct MemoryBytes {
+  int64_t params = 0;     // the model's trained parameters (full on every rank)
+  int64_t grads = 0;      // gradients kept between backward and the step
+  int64_t optimizer = 0;  // AdamW moments, plus fp32 master weights when sharded
+};
+
+class DataParallel {
+ public:
+  // `named` are the parameters the Trainer optimizes, with their Hugging Face names; they are
+  // grouped into one flat buffer per transformer block (the embedding, each model.layers.N,
+  // then the rest), in that order on every rank, each padded to a multiple of the world size.
+  DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
+               std::vector<std::pair<std::string, at::Tensor>> named, const OptimizerConfig& config);
+  ~DataParallel();
+
+  // One optimizer step from the parameters' local gradients (each rank's share of a loss
+  // already divided by global counts, so the global gradient is their sum): reduce, clip to
+  // max_grad_norm by the global norm, AdamW at `lr`, gather. Clears the gradients. Returns
+  // the global gradient norm before clipping.
+  double step(double lr);
+
+  double sum(double local) { return group_->sum(local); }
+  void all_reduce_sum(at::Tensor& t) { group_->all_reduce_sum(t); }
+  void barrier() { group_->barrier(); }
+  int rank() const { return group_->rank(); }
+  int size() const { return group_->size(); }
+  Sharding mode() const { return mode_; }
+  MemoryBytes memory() const;
+
+  // Optimizer state: this rank's shard (rank R writes optimizer.rankR.pt) plus, from rank 0,
+  // layout.json: the mode, world size, version and every block's parameters and sizes. load
+  // reads the files of every rank it needs, so a checkpoint resumes at another world size.
+  void save_state(const std::filesystem::path& dir, int64_t version) const;
+  int64_t load_state(const std::filesystem::path& dir);
+
+  struct Block;
+
+ private:
+  double step_replicated();
+  double step_sharded();
+  // A block's parameters (or their gradients, zeros where undefined) as one fp32 buffer.
+  at::Tensor flatten(const Block& b, bool grads) const;
+
+  std::shared_ptr<ProcessGroup> group_;
+  Sharding mode_;
+  OptimizerConfig config_;
+  std::vector<Block> blocks_;
+  std::vector<at::Tensor> params_;                 // every trained parameter, in block order
+  std::vector<std::string> names_;                 // their names
+  std::vector<at::Tensor> original_;               // the same, in the trainer's order
+  std::vector<at::Tensor> masters_;                // sharded: [block] this rank's fp32 slice
+  std::unique_ptr<torch::optim::AdamW> optimizer_;  // over params_ (none) or masters_ (zero)
+};
+
+}  // namespace troupe
