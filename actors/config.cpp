@@ -602,6 +602,15 @@ void parse_async(Map m, AsyncSection& c) {
               " (generators would fall further behind than max_staleness allows)" + got(c.sync_every));
 }
 
+void parse_parallel(Map m, ParallelSection& c) {
+  m.allow({"trainer_ranks", "sharding", "timeout_s"});
+  m.get("trainer_ranks", c.trainer_ranks);
+  m.check(c.trainer_ranks >= 1, "trainer_ranks", "must be >= 1 (1: one process)" + got(c.trainer_ranks));
+  m.get_enum("sharding", c.sharding, kShardingNames);
+  m.get("timeout_s", c.timeout_s);
+  m.check(c.timeout_s > 0, "timeout_s", "must be > 0" + got(c.timeout_s));
+}
+
 void parse_run(Map m, RunSection& c, const std::string& stem) {
   m.allow({"dir", "checkpoint_every", "log_every", "seed", "deterministic"});
   c.dir = "runs/" + stem;
@@ -634,7 +643,8 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   if (!root.IsDefined() || root.IsNull())
     throw Error(s.file + ": empty config (expected recipe, model, data, generator, rewards, trainer, async, run)");
   Map top(s, "", root, root.Mark());
-  top.allow({"recipe", "resume", "model", "lora", "data", "generator", "rewards", "reference", "trainer", "async", "run"});
+  top.allow({"recipe", "resume", "model", "lora", "data", "generator", "rewards", "reference", "trainer", "async",
+             "parallel", "run"});
   RunConfig c;
   top.require("recipe", c.recipe, "one of " + join(kRecipeNames));
   top.get("resume", c.resume);
@@ -648,6 +658,7 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   parse_rewards(s, top, c.rewards);
   parse_trainer(s, top.map("trainer"), c.trainer, c.recipe);
   parse_async(top.map("async"), c.async);
+  parse_parallel(top.map("parallel"), c.parallel);
   parse_run(top.map("run"), c.run, stem);
 
   Map ref = top.map("reference");
@@ -671,6 +682,15 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   if (c.recipe == Recipe::online_dpo)
     top.map("generator").check(c.generator.group_size >= 2, "group_size",
                                "must be >= 2 for recipe online_dpo (a pair per prompt)" + got(c.generator.group_size));
+  if (graph)
+    top.map("parallel").check(c.parallel.trainer_ranks == 1 && c.parallel.sharding == ShardingMode::none, "trainer_ranks",
+                              "recipe " + std::string(to_string(c.recipe)) +
+                                  " trains in one process for now (the actor graph across processes comes first); "
+                                  "sft, lora and dpo take parallel.trainer_ranks and parallel.sharding");
+  else
+    top.map("parallel").check(c.trainer.batch_size >= c.parallel.trainer_ranks, "trainer_ranks",
+                              "must be <= trainer.batch_size = " + fmt(c.trainer.batch_size) +
+                                  " (every rank trains a part of each batch)" + got(c.parallel.trainer_ranks));
   if (graph && c.rewards.empty())
     top.fail("rewards", "required: at least one reward for recipe " + std::string(to_string(c.recipe)) +
                             " (e.g. - {name: correct, kind: math_answer})");
@@ -948,6 +968,11 @@ std::string to_yaml(const RunConfig& c) {
   w.line(0, "async", "");
   w.line(2, "max_staleness", fmt(c.async.max_staleness));
   w.line(2, "sync_every", fmt(c.async.sync_every));
+
+  w.line(0, "parallel", "");
+  w.line(2, "trainer_ranks", fmt(c.parallel.trainer_ranks));
+  w.line(2, "sharding", name_of(c.parallel.sharding));
+  w.line(2, "timeout_s", fmt(c.parallel.timeout_s));
 
   w.line(0, "run", "");
   w.line(2, "dir", quote(c.run.dir));

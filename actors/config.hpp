@@ -26,6 +26,7 @@ enum class EngineKind { builtin, remote };
 enum class RewardScaling { group, batch, none };
 enum class LossAggregation { grpo, dr_grpo, dapo };
 enum class LossKind { grpo, dpo, ppo };
+enum class ShardingMode { none, zero1, zero2 };
 
 // Names as written in YAML, in enum order.
 inline constexpr std::array<std::string_view, 6> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo", "online_dpo"};
@@ -34,6 +35,7 @@ inline constexpr std::array<std::string_view, 2> kEngineNames = {"builtin", "rem
 inline constexpr std::array<std::string_view, 3> kRewardScalingNames = {"group", "batch", "none"};
 inline constexpr std::array<std::string_view, 3> kLossAggregationNames = {"grpo", "dr_grpo", "dapo"};
 inline constexpr std::array<std::string_view, 3> kLossKindNames = {"grpo", "dpo", "ppo"};
+inline constexpr std::array<std::string_view, 3> kShardingNames = {"none", "zero1", "zero2"};
 // The reward kinds the config accepts; a test checks they cover reward/'s built-ins.
 inline constexpr std::array<std::string_view, 4> kRewardKindNames = {"math_answer", "format", "plugin", "http"};
 
@@ -43,6 +45,7 @@ inline std::string_view to_string(EngineKind v) { return kEngineNames[static_cas
 inline std::string_view to_string(RewardScaling v) { return kRewardScalingNames[static_cast<size_t>(v)]; }
 inline std::string_view to_string(LossAggregation v) { return kLossAggregationNames[static_cast<size_t>(v)]; }
 inline std::string_view to_string(LossKind v) { return kLossKindNames[static_cast<size_t>(v)]; }
+inline std::string_view to_string(ShardingMode v) { return kShardingNames[static_cast<size_t>(v)]; }
 
 struct ModelSection {
   std::string path;                 // required: a Hugging Face folder or a .gguf file
@@ -174,6 +177,15 @@ struct AsyncSection {
   bool operator==(const AsyncSection&) const = default;
 };
 
+// Trainer ranks: data-parallel training over c10d process groups (Gloo on CPU, NCCL on CUDA).
+// Under torchrun, srun or mpirun the launcher's environment says how many ranks there are.
+struct ParallelSection {
+  int64_t trainer_ranks = 1;  // >1: troupe run starts this many rank processes on this machine
+  ShardingMode sharding = ShardingMode::none;  // none: DDP; zero1: optimizer sharded; zero2: + gradients
+  double timeout_s = 300;     // a collective waiting longer (a dead or hung rank) fails the job
+  bool operator==(const ParallelSection&) const = default;
+};
+
 struct RunSection {
   std::string dir;              // outputs (config.yaml, metrics.jsonl, checkpoints); absent: runs/<config file stem>
   int64_t checkpoint_every = 0; // optimizer steps between checkpoints; 0: only at the end
@@ -212,6 +224,7 @@ struct RunConfig {
   ReferenceSection reference;
   TrainerSection trainer;
   AsyncSection async;
+  ParallelSection parallel;
   RunSection run;
   // A run folder (its newest complete checkpoint) or one checkpoint folder to continue from:
   // `troupe run CONFIG resume=runs/NAME`. Empty: start fresh. Every recipe.

@@ -38,6 +38,12 @@ std::vector<dpo::Pair> read(const RunConfig& c, const DatasetSection& d, const T
   return pairs;
 }
 
+// Each rank computes and caches the reference log-probs of every pair itself (rank 0 under the
+// one-rank name): no rank waits on another's, however long the pass.
+std::string rank_file(const std::string& stem, const recipe::Policy& p) {
+  return stem + (p.rank > 0 ? ".rank" + std::to_string(p.rank) : std::string()) + ".json";
+}
+
 }  // namespace
 
 GraphResult run_dpo(const RunConfig& c, const std::atomic<bool>* stop_requested) {
@@ -56,22 +62,22 @@ GraphResult run_dpo(const RunConfig& c, const std::atomic<bool>* stop_requested)
     recipe::restore(policy, *resume);
     start = resume->step + 1;
   }
-  recipe::RunFolder folder(c, resume ? resume->step : 0);
+  recipe::RunFolder folder(c, resume ? resume->step : 0, policy.writer());
   {
     auto reference = load_model(c.reference.path, {.dtype = recipe::dtype_of(c.model.dtype),
                                                    .device = torch::Device(c.model.device), .tokenizer = false});
     dpo::ReferenceOptions ro{.batch_pairs = std::max<int64_t>(1, c.trainer.micro_batch > 0 ? c.trainer.micro_batch : 8),
                              .chunk = c.trainer.logprob_chunk,
-                             .cache = std::filesystem::path(c.run.dir) / "reference_logprobs.json",
+                             .cache = std::filesystem::path(c.run.dir) / rank_file("reference_logprobs", policy),
                              .model_id = c.reference.path};
     dpo::compute_reference(*reference.model, train, ro);
     if (!held_out.empty()) {
-      ro.cache = std::filesystem::path(c.run.dir) / "reference_logprobs_eval.json";
+      ro.cache = std::filesystem::path(c.run.dir) / rank_file("reference_logprobs_eval", policy);
       dpo::compute_reference(*reference.model, held_out, ro);
     }
   }  // the reference is freed here: the steps need only its numbers
   recipe::DataOrder order(static_cast<int64_t>(train.size()), c.data.shuffle, c.data.seed);
-  std::cout << "troupe run: dpo on " << train.size() << " pairs"
+  if (policy.writer()) std::cout << "troupe run: dpo on " << train.size() << " pairs"
             << (held_out.empty() ? "" : ", " + std::to_string(held_out.size()) + " held out") << ", beta "
             << c.trainer.loss.beta << (policy.lora ? ", LoRA rank " + std::to_string(policy.lora->rank) : std::string())
             << std::endl;
@@ -85,15 +91,19 @@ GraphResult run_dpo(const RunConfig& c, const std::atomic<bool>* stop_requested)
   for (int64_t step = start; step <= c.trainer.steps; ++step) {
     std::vector<dpo::Pair> batch;
     int64_t tokens = 0;
-    for (int64_t i : order.next(c.trainer.batch_size)) {
-      batch.push_back(train[i]);
-      tokens += train[i].chosen.size() + train[i].rejected.size();
+    const auto indices = order.next(c.trainer.batch_size);
+    const auto [begin, end] = policy.share(static_cast<int64_t>(indices.size()));  // this rank's part
+    for (int64_t k = 0; k < static_cast<int64_t>(indices.size()); ++k) {
+      const auto& pair = train[indices[k]];
+      tokens += pair.chosen.size() + pair.rejected.size();
+      if (k >= begin && k < end) batch.push_back(pair);
     }
     auto m = policy.trainer->dpo_step(batch);
     nlohmann::json j{{"loss", m.loss}, {"rewards/chosen", m.reward_chosen}, {"rewards/rejected", m.reward_rejected},
                      {"rewards/accuracies", m.accuracy}, {"rewards/margins", m.margin},
                      {"logps/chosen", m.logps_chosen}, {"logps/rejected", m.logps_rejected},
                      {"grad_norm", m.grad_norm}, {"lr", m.lr}, {"pairs", m.pairs}, {"epoch", order.epoch()}};
+    recipe::add_memory_metrics(policy, j);
     bool last = step == c.trainer.steps;
     if (!held_out.empty() && (last || (c.trainer.eval_every > 0 && step % c.trainer.eval_every == 0))) {
       auto e = policy.trainer->dpo_eval(held_out);

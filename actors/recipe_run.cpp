@@ -6,6 +6,7 @@
 #include <iostream>
 #include <numeric>
 #include <random>
+#include <unordered_set>
 
 #include <torch/torch.h>
 
@@ -13,6 +14,7 @@
 #include "policy/error.hpp"
 #include "policy/safetensors.hpp"
 #include "policy/seed.hpp"
+#include "trainer/data_parallel.hpp"
 
 namespace troupe::recipe {
 
@@ -23,7 +25,8 @@ torch::Dtype dtype_of(ModelDtype d) {
 
 ModelDtype resolve_model_dtype(const ModelSection& m) {
   auto choice = choose_dtype(to_string(m.dtype), torch::Device(m.device), "model.dtype");
-  if (!choice.note.empty()) (choice.warning ? std::cerr : std::cout) << "troupe run: " << choice.note << std::endl;
+  if (!choice.note.empty() && parallel_env().rank == 0)
+    (choice.warning ? std::cerr : std::cout) << "troupe run: " << choice.note << std::endl;
   return choice.dtype == torch::kBFloat16 ? ModelDtype::bfloat16 : ModelDtype::float32;
 }
 
@@ -80,7 +83,45 @@ Policy load_policy(const RunConfig& c, TrainerConfig trainer) {
   } else {
     p.trainer = std::make_unique<Trainer>(p.model.model, trainer);
   }
+  if (c.trainer.threads > 0) at::set_num_threads(static_cast<int>(c.trainer.threads));
+  ParallelEnv env = parallel_env();
+  if (env.launcher == "none") env.master_port = 0;  // one rank, sharded: a store on any free port
+  if (env.distributed() && c.parallel.trainer_ranks > 1 && env.world_size != c.parallel.trainer_ranks)
+    throw Error(c.origin.at("parallel.trainer_ranks") + ": parallel.trainer_ranks is " + std::to_string(c.parallel.trainer_ranks) +
+                " but the launcher (" + env.launcher + ") started " + std::to_string(env.world_size) +
+                " ranks; leave it at 1 under an outside launcher");
+  if (!env.distributed() && c.parallel.trainer_ranks > 1)
+    throw Error("parallel.trainer_ranks = " + std::to_string(c.parallel.trainer_ranks) +
+                ": this process is not one of the ranks (run it with `troupe run`, which starts them)");
+  if (env.distributed() && env.world_size > c.trainer.batch_size)
+    throw Error(c.origin.at("trainer.batch_size") + ": trainer.batch_size " + std::to_string(c.trainer.batch_size) +
+                " is smaller than the " + std::to_string(env.world_size) + " trainer ranks: every rank needs a part of each batch");
+  // Under a launcher even one rank goes through the data-parallel path (bit for bit the plain
+  // trainer with sharding none); alone, only when a sharding mode asks for it.
+  if (env.launcher != "none" || c.parallel.sharding != ShardingMode::none) {
+    p.rank = env.rank;
+    p.ranks = env.world_size;
+    auto group = ProcessGroup::connect(env, torch::Device(c.model.device),
+                                       std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000)));
+    std::unordered_set<const void*> trained;
+    for (const auto& t : p.trainer->parameters()) trained.insert(t.unsafeGetTensorImpl());
+    std::vector<std::pair<std::string, torch::Tensor>> named;
+    for (const auto& item : p.model.model->named_parameters())
+      if (trained.count(item.value().unsafeGetTensorImpl())) named.emplace_back(item.key(), item.value());
+    const Sharding modes[] = {Sharding::none, Sharding::zero1, Sharding::zero2};
+    p.trainer->set_data_parallel(std::make_shared<DataParallel>(group, modes[static_cast<size_t>(c.parallel.sharding)],
+                                                                named, trainer.optimizer));
+    if (p.writer())
+      std::cout << "troupe run: " << p.ranks << " trainer ranks (" << env.launcher << ", " << group->backend() << "), sharding "
+                << to_string(c.parallel.sharding) << std::endl;
+  }
   return p;
+}
+
+std::pair<int64_t, int64_t> Policy::share(int64_t n) const {
+  const int64_t base = n / ranks, extra = n % ranks;
+  const int64_t begin = rank * base + std::min<int64_t>(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
 }
 
 DataOrder::DataOrder(int64_t n, bool shuffle, uint64_t seed) : n_(n), shuffle_(shuffle), seed_(seed) {
@@ -127,8 +168,9 @@ void keep_steps_up_to(const std::filesystem::path& file, int64_t step) {
   for (const auto& line : kept) out << line << "\n";
 }
 
-RunFolder::RunFolder(const RunConfig& c, int64_t resumed_step) : c_(c), dir_(c.run.dir) {
+RunFolder::RunFolder(const RunConfig& c, int64_t resumed_step, bool writer) : c_(c), writer_(writer), dir_(c.run.dir) {
   std::filesystem::create_directories(dir_);
+  if (!writer_) return;
   std::ofstream(dir_ / "config.yaml") << to_yaml(c);
   if (resumed_step > 0) keep_steps_up_to(dir_ / "metrics.jsonl", resumed_step);
   metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
@@ -142,6 +184,8 @@ void RunFolder::step(int64_t step, nlohmann::json j, int64_t tokens, GraphResult
   j["step"] = step;
   j["time/step_s"] = seconds;
   j["tokens_per_s"] = tokens / std::max(seconds, 1e-9);
+  result.steps = step;
+  if (!writer_) return;
   metrics_ << j.dump() << "\n" << std::flush;
   if (step % c_.run.log_every == 0 || step == c_.trainer.steps) {
     std::string line = "step " + std::to_string(step) + "/" + std::to_string(c_.trainer.steps);
@@ -153,12 +197,37 @@ void RunFolder::step(int64_t step, nlohmann::json j, int64_t tokens, GraphResult
     }
     std::cout << line << std::endl;
   }
-  result.steps = step;
   result.metrics.push_back(std::move(j));
+}
+
+void add_memory_metrics(const Policy& p, nlohmann::json& j) {
+  const DataParallel* dp = p.trainer->data_parallel();
+  if (!dp) return;
+  // Every rank's figures, gathered by a sum over a table where each rank fills its own row.
+  auto table = torch::zeros({p.ranks, 3}, torch::kFloat64);
+  auto m = dp->memory();
+  table[p.rank] = torch::tensor({static_cast<double>(m.params), static_cast<double>(m.grads), static_cast<double>(m.optimizer)},
+                                torch::kFloat64);
+  p.trainer->data_parallel()->all_reduce_sum(table);
+  const char* names[] = {"memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes"};
+  for (int k = 0; k < 3; ++k) {
+    j[names[k]] = static_cast<int64_t>(table[0][k].item<double>());
+    auto per_rank = nlohmann::json::array();
+    for (int r = 0; r < p.ranks; ++r) per_rank.push_back(static_cast<int64_t>(table[r][k].item<double>()));
+    j[std::string(names[k]) + "/per_rank"] = per_rank;
+  }
 }
 
 void RunFolder::checkpoint(const Policy& p, int64_t step, const nlohmann::json& cursor) {
   auto dir = dir_ / "checkpoints" / ("step_" + std::to_string(step));
+  if (p.ranks > 1) {
+    // Every rank its optimizer shard and random state; then rank 0 the rest, trainer_state.json
+    // last and only once every shard is on disk.
+    p.trainer->save_state(dir / "optimizer.pt");
+    torch::save(at::detail::getDefaultCPUGenerator().get_state(), (dir / ("rng.rank" + std::to_string(p.rank) + ".pt")).string());
+    p.trainer->data_parallel()->barrier();
+    if (!p.writer()) return;
+  }
   LoadedModel merged = p.model;
   if (p.lora) {
     // The exported model carries the adapters folded in; the adapter goes next to it as well.
@@ -167,8 +236,10 @@ void RunFolder::checkpoint(const Policy& p, int64_t step, const nlohmann::json& 
     save_peft_adapter(*p.model.model, *p.lora, dir / "adapter", c_.model.path);
   }
   save_hf_dir(merged, dir);
-  p.trainer->save_state(dir / "optimizer.pt");
-  torch::save(at::detail::getDefaultCPUGenerator().get_state(), (dir / "rng.pt").string());
+  if (p.ranks == 1) {
+    p.trainer->save_state(dir / "optimizer.pt");
+    torch::save(at::detail::getDefaultCPUGenerator().get_state(), (dir / "rng.pt").string());
+  }
   nlohmann::json state{{"recipe", std::string(to_string(c_.recipe))}, {"model", c_.model.path}, {"step", step},
                        {"policy_version", p.trainer->version()}, {"cursor", cursor}};
   // Written to a side file and renamed, so that a kill mid-write leaves no half file behind.
@@ -224,8 +295,12 @@ void restore(Policy& p, const Resume& r) {
     load_weights(*p.model.model, read_safetensors(safetensors::Checkpoint::open_dir(r.dir)), r.dir.string());
   }
   p.trainer->load_state(r.dir / "optimizer.pt");
+  // Each rank's own random state where the checkpoint has one (same world size), else rank 0's.
+  auto rng_file = r.dir / ("rng.rank" + std::to_string(p.rank) + ".pt");
+  if (!std::filesystem::exists(rng_file)) rng_file = r.dir / "rng.rank0.pt";
+  if (!std::filesystem::exists(rng_file)) rng_file = r.dir / "rng.pt";
   torch::Tensor rng;
-  torch::load(rng, (r.dir / "rng.pt").string());
+  torch::load(rng, rng_file.string());
   auto generator = at::detail::getDefaultCPUGenerator();  // a handle: set_state needs a non-const one
   generator.set_state(rng);
 }

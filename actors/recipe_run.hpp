@@ -40,10 +40,19 @@ std::optional<int32_t> model_eos(const ModelConfig& model, const Tokenizer& toke
 
 // The policy to train: the model, with adapters attached (and everything else frozen) when
 // the config has a lora section; the Trainer then optimizes only the adapters.
+// With several trainer ranks (parallel.trainer_ranks, or torchrun / srun / mpirun) every rank
+// loads the same policy and its Trainer trains data-parallel (trainer/data_parallel.hpp): each
+// rank takes its share of each batch, rank 0 alone writes metrics, progress and the Hugging Face
+// export, and every rank writes its shard of the optimizer state.
 struct Policy {
   LoadedModel model;
   std::optional<LoraConfig> lora;
   std::unique_ptr<Trainer> trainer;
+  int rank = 0, ranks = 1;  // this process among the trainer ranks
+  bool writer() const { return rank == 0; }
+  // The part [begin, end) of a batch of n items this rank trains: contiguous, in rank order,
+  // sizes differing by at most one (token counts are global, so uneven parts stay exact).
+  std::pair<int64_t, int64_t> share(int64_t n) const;
 };
 Policy load_policy(const RunConfig& c, TrainerConfig trainer);
 
@@ -79,6 +88,10 @@ class DataOrder {
   std::vector<int64_t> order_;
 };
 
+// memory/params_bytes, memory/grads_bytes and memory/optimizer_bytes (rank 0's, and each
+// rank's under .../per_rank) when the trainer is data parallel; nothing otherwise. Every rank calls it.
+void add_memory_metrics(const Policy& p, nlohmann::json& j);
+
 // Keeps the lines of a JSONL file (metrics.jsonl, failures.jsonl) whose "step" is at most
 // `step` and drops the rest: steps an interrupted run made after its last checkpoint are made again.
 void keep_steps_up_to(const std::filesystem::path& file, int64_t step);
@@ -90,13 +103,15 @@ class RunFolder {
  public:
   // Resuming from step k keeps metrics.jsonl's lines up to k and drops the rest (steps the
   // interrupted run made after its last checkpoint are made again).
-  RunFolder(const RunConfig& c, int64_t resumed_step = 0);
+  // `writer`: this process writes the folder (rank 0); the others only write their checkpoint shards.
+  RunFolder(const RunConfig& c, int64_t resumed_step = 0, bool writer = true);
   // Adds step, time and tokens_per_s to `metrics`, writes and prints it, keeps it in `result`.
   void step(int64_t step, nlohmann::json metrics, int64_t tokens, GraphResult& result);
   void checkpoint(const Policy& policy, int64_t step, const nlohmann::json& cursor);
 
  private:
   const RunConfig& c_;
+  bool writer_;
   std::filesystem::path dir_;
   std::ofstream metrics_;
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();

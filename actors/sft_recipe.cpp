@@ -69,8 +69,8 @@ GraphResult run_sft(const RunConfig& c, const std::atomic<bool>* stop_requested)
     recipe::restore(policy, *resume);
     start = resume->step + 1;
   }
-  recipe::RunFolder folder(c, resume ? resume->step : 0);
-  std::cout << "troupe run: " << to_string(c.recipe) << " on " << train.size() << " examples"
+  recipe::RunFolder folder(c, resume ? resume->step : 0, policy.writer());
+  if (policy.writer()) std::cout << "troupe run: " << to_string(c.recipe) << " on " << train.size() << " examples"
             << (held_out.empty() ? "" : ", " + std::to_string(held_out.size()) + " held out")
             << (policy.lora ? ", LoRA rank " + std::to_string(policy.lora->rank) : std::string()) << std::endl;
 
@@ -82,10 +82,13 @@ GraphResult run_sft(const RunConfig& c, const std::atomic<bool>* stop_requested)
   }
   for (int64_t step = start; step <= c.trainer.steps; ++step) {
     std::vector<sft::Sequence> batch;
-    for (int64_t i : order.next(c.trainer.batch_size)) batch.push_back(train[i]);
+    const auto indices = order.next(c.trainer.batch_size);
+    const auto [begin, end] = policy.share(static_cast<int64_t>(indices.size()));  // this rank's part
+    for (int64_t k = begin; k < end; ++k) batch.push_back(train[indices[k]]);
     auto m = policy.trainer->sft_step(sft::micro_batches(batch, batching));
     nlohmann::json j{{"loss", m.loss}, {"grad_norm", m.grad_norm}, {"lr", m.lr}, {"tokens", m.tokens},
                      {"sequences", m.sequences}, {"rows", m.rows}, {"epoch", order.epoch()}};
+    recipe::add_memory_metrics(policy, j);
     bool last = step == c.trainer.steps;
     if (!held_out.empty() && (last || (c.trainer.eval_every > 0 && step % c.trainer.eval_every == 0)))
       j["eval/loss"] = eval_loss();

@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 
 #include "actors/config.hpp"
+#include "actors/launch.hpp"
 #include "actors/run.hpp"
 #include "generator/generate.hpp"
 #include "generator/server.hpp"
@@ -25,6 +26,7 @@
 #include "policy/error.hpp"
 #include "policy/perplexity.hpp"
 #include "reward/score_file.hpp"
+#include "trainer/process_group.hpp"
 #include "trainer/eval_gsm8k.hpp"
 
 namespace {
@@ -264,15 +266,24 @@ void watch_stop_signals() {
 int run_from_config(const std::string& path, const std::vector<std::string>& overrides) {
   auto config = troupe::load_run_config(path, overrides);
   troupe::validate_paths(config);
+  if (config.parallel.trainer_ranks > 1 && !troupe::parallel_env().distributed()) {
+    // This process starts the ranks (each runs this same command) and supervises them.
+    std::vector<std::string> args{"run", path};
+    args.insert(args.end(), overrides.begin(), overrides.end());
+    return troupe::launch_ranks(std::filesystem::read_symlink("/proc/self/exe").string(), args,
+                                {.ranks = static_cast<int>(config.parallel.trainer_ranks),
+                                 .threads_per_rank = static_cast<int>(config.trainer.threads)});
+  }
   watch_stop_signals();
-  std::cout << "troupe run: " << path << " -> " << config.run.dir << std::endl;
+  const bool rank0 = troupe::parallel_env().rank == 0;  // the other ranks of a job say nothing twice
+  if (rank0) std::cout << "troupe run: " << path << " -> " << config.run.dir << std::endl;
   auto result = troupe::run_config(config, &g_stop);
   if (!result.ok) {
     std::cerr << "troupe: error: " << result.error << " (after " << result.steps << " of " << config.trainer.steps
               << " steps; metrics so far in " << config.run.dir << "/metrics.jsonl)" << std::endl;
     return 1;
   }
-  std::cout << "troupe run: done, " << result.steps << " steps; metrics in " << config.run.dir << "/metrics.jsonl"
+  if (rank0) std::cout << "troupe run: done, " << result.steps << " steps; metrics in " << config.run.dir << "/metrics.jsonl"
             << std::endl;
   return 0;
 }

@@ -185,7 +185,7 @@ TEST_CASE("each kind of bad input names file, line and key") {
   CHECK(error_of(with_line(3, "  pth: models/m.gguf")) == "configs/x.yaml:3: model.pth: unknown key (did you mean path?)");
   CHECK(error_of(kBase + "optimiser: {}\n") ==
         "configs/x.yaml:15: optimiser: unknown key (expected one of: recipe, resume, model, lora, data, generator, rewards, reference, "
-        "trainer, async, run)");
+        "trainer, async, parallel, run)");
   // Wrong types.
   CHECK(error_of(with_line(7, "  group_size: eight")) ==
         "configs/x.yaml:7: generator.group_size: expected an integer, got \"eight\"");
@@ -251,6 +251,28 @@ TEST_CASE("each kind of bad input names file, line and key") {
         "configs/x.yaml:7: generator.max_tokens: generator.max_seq_len (2048) must exceed generator.max_tokens (4096): it "
         "holds the prompt too");
   CHECK(error_of(with_line(3, "  path: m\n  path: n")) == "configs/x.yaml:4: model.path: duplicate key (first given on line 3)");
+}
+
+TEST_CASE("parallel: trainer ranks and sharding for the trainer-alone recipes, errors naming the key") {
+  const std::string sft = "recipe: sft\nmodel: {path: m}\ndata: {train: {path: t.jsonl}}\ntrainer: {batch_size: 4}\n";
+  auto c = parse_run_config(sft, "configs/x.yaml", {"parallel.trainer_ranks=2", "parallel.sharding=zero2"});
+  CHECK(c.parallel.trainer_ranks == 2);
+  CHECK(c.parallel.sharding == ShardingMode::zero2);
+  CHECK(c.parallel.timeout_s == 300.0);
+  CHECK(parse_run_config(to_yaml(c), "configs/x.yaml") == c);
+  CHECK(parse_run_config(sft, "configs/x.yaml").parallel.sharding == ShardingMode::none);
+  CHECK(error_of(sft, {"parallel.trainer_ranks=0"}) ==
+        "configs/x.yaml, override 'parallel.trainer_ranks=0': parallel.trainer_ranks: must be >= 1 (1: one process), got 0");
+  CHECK(error_of(sft, {"parallel.sharding=zero9"}) ==
+        "configs/x.yaml, override 'parallel.sharding=zero9': parallel.sharding: expected one of none, zero1, zero2, got \"zero9\" "
+        "(did you mean zero1?)");
+  CHECK(error_of(sft, {"parallel.trainer_ranks=5"}) ==
+        "configs/x.yaml, override 'parallel.trainer_ranks=5': parallel.trainer_ranks: must be <= trainer.batch_size = 4 "
+        "(every rank trains a part of each batch), got 5");
+  CHECK(error_of(sft, {"parallel.timeout_s=0"}).find("parallel.timeout_s: must be > 0") != std::string::npos);
+  // The actor-graph recipes train in one process until the graph runs across processes.
+  CHECK(error_of(kBase, {"parallel.trainer_ranks=2"}).find("parallel.trainer_ranks: recipe grpo trains in one process") !=
+        std::string::npos);
 }
 
 TEST_CASE("malformed YAML is a troupe::Error with file and line") {

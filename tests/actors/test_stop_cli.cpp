@@ -151,14 +151,14 @@ TEST_CASE("model.dtype auto: float32 on a CPU without native bf16, bfloat16 on o
   auto run_dir = fixtures() / "dtype_auto";
   auto args = task_args("train.jsonl") + " data.eval=null trainer.steps=2 trainer.warmup_steps=0 run.dir=" + shell_quote(run_dir.string());
   fs::remove_all(run_dir);
-  auto r = run_command("TROUPE_CPU_BF16=0 " + troupe_run("tiny_arithmetic_sft", args + " model.dtype=auto") + " 2>&1");
+  auto r = run_command("export TROUPE_CPU_BF16=0; " + troupe_run("tiny_arithmetic_sft", args + " model.dtype=auto") + " 2>&1");
   INFO(r.out);
   REQUIRE(r.status == 0);
   CHECK(r.out.find("model.dtype auto: float32 (bfloat16 is not native on this CPU: TROUPE_CPU_BF16=0") != std::string::npos);
   CHECK(read(run_dir / "config.yaml").find("  dtype: float32\n") != std::string::npos);  // what auto chose is recorded
 
   fs::remove_all(run_dir);
-  r = run_command("TROUPE_CPU_BF16=1 " + troupe_run("tiny_arithmetic_sft", args + " model.dtype=auto") + " 2>&1");
+  r = run_command("export TROUPE_CPU_BF16=1; " + troupe_run("tiny_arithmetic_sft", args + " model.dtype=auto") + " 2>&1");
   INFO(r.out);
   REQUIRE(r.status == 0);
   CHECK(r.out.find("model.dtype auto: bfloat16 (this CPU computes it natively: TROUPE_CPU_BF16=1)") != std::string::npos);
@@ -166,14 +166,14 @@ TEST_CASE("model.dtype auto: float32 on a CPU without native bf16, bfloat16 on o
 
   // oneDNN limited below bf16, as on an AVX2-only CPU: auto falls back whatever this CPU has.
   fs::remove_all(run_dir);
-  r = run_command("ONEDNN_MAX_CPU_ISA=AVX2 " + troupe_run("tiny_arithmetic_sft", args + " model.dtype=auto") + " 2>&1");
+  r = run_command("export ONEDNN_MAX_CPU_ISA=AVX2; " + troupe_run("tiny_arithmetic_sft", args + " model.dtype=auto") + " 2>&1");
   INFO(r.out);
   REQUIRE(r.status == 0);
   CHECK(r.out.find("model.dtype auto: float32") != std::string::npos);
 
   // An explicit bfloat16 where it is emulated runs, with a warning on stderr.
   fs::remove_all(run_dir);
-  r = run_command("TROUPE_CPU_BF16=0 " + troupe_run("tiny_arithmetic_sft", args + " model.dtype=bfloat16") + " 2>&1 >/dev/null");
+  r = run_command("export TROUPE_CPU_BF16=0; " + troupe_run("tiny_arithmetic_sft", args + " model.dtype=bfloat16") + " 2>&1 >/dev/null");
   INFO(r.out);
   REQUIRE(r.status == 0);
   CHECK(r.out.find("warning: model.dtype bfloat16 is not native on this CPU") != std::string::npos);
