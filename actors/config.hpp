@@ -26,7 +26,7 @@ enum class EngineKind { builtin, remote };
 enum class RewardScaling { group, batch, none };
 enum class LossAggregation { grpo, dr_grpo, dapo };
 enum class LossKind { grpo, dpo, ppo };
-enum class ShardingMode { none, zero1, zero2 };
+enum class ShardingMode { none, zero1, zero2, zero3 };
 
 // Names as written in YAML, in enum order.
 inline constexpr std::array<std::string_view, 6> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo", "online_dpo"};
@@ -35,7 +35,7 @@ inline constexpr std::array<std::string_view, 2> kEngineNames = {"builtin", "rem
 inline constexpr std::array<std::string_view, 3> kRewardScalingNames = {"group", "batch", "none"};
 inline constexpr std::array<std::string_view, 3> kLossAggregationNames = {"grpo", "dr_grpo", "dapo"};
 inline constexpr std::array<std::string_view, 3> kLossKindNames = {"grpo", "dpo", "ppo"};
-inline constexpr std::array<std::string_view, 3> kShardingNames = {"none", "zero1", "zero2"};
+inline constexpr std::array<std::string_view, 4> kShardingNames = {"none", "zero1", "zero2", "zero3"};
 // The reward kinds the config accepts; a test checks they cover reward/'s built-ins.
 inline constexpr std::array<std::string_view, 4> kRewardKindNames = {"math_answer", "format", "plugin", "http"};
 
@@ -181,7 +181,8 @@ struct AsyncSection {
 // Under torchrun, srun or mpirun the launcher's environment says how many ranks there are.
 struct ParallelSection {
   int64_t trainer_ranks = 1;  // >1: troupe run starts this many rank processes on this machine
-  ShardingMode sharding = ShardingMode::none;  // none: DDP; zero1: optimizer sharded; zero2: + gradients
+  ShardingMode sharding = ShardingMode::none;  // none: DDP; zero1: optimizer sharded; zero2: + gradients;
+                                               // zero3: + parameters (each layer gathered where it computes)
   double timeout_s = 300;     // a collective waiting longer (a dead or hung rank) fails the job
   bool operator==(const ParallelSection&) const = default;
 };

@@ -108,7 +108,7 @@ Policy load_policy(const RunConfig& c, TrainerConfig trainer) {
     std::vector<std::pair<std::string, torch::Tensor>> named;
     for (const auto& item : p.model.model->named_parameters())
       if (trained.count(item.value().unsafeGetTensorImpl())) named.emplace_back(item.key(), item.value());
-    const Sharding modes[] = {Sharding::none, Sharding::zero1, Sharding::zero2};
+    const Sharding modes[] = {Sharding::none, Sharding::zero1, Sharding::zero2, Sharding::zero3};
     p.trainer->set_data_parallel(std::make_shared<DataParallel>(group, modes[static_cast<size_t>(c.parallel.sharding)],
                                                                 named, trainer.optimizer));
     if (p.writer())
@@ -220,13 +220,18 @@ void add_memory_metrics(const Policy& p, nlohmann::json& j) {
 
 void RunFolder::checkpoint(const Policy& p, int64_t step, const nlohmann::json& cursor) {
   auto dir = dir_ / "checkpoints" / ("step_" + std::to_string(step));
+  DataParallel* dp = p.trainer->data_parallel();
+  if (dp) dp->gather_all();  // zero3: the export needs whole parameters (every rank takes part)
   if (p.ranks > 1) {
     // Every rank its optimizer shard and random state; then rank 0 the rest, trainer_state.json
     // last and only once every shard is on disk.
     p.trainer->save_state(dir / "optimizer.pt");
     torch::save(at::detail::getDefaultCPUGenerator().get_state(), (dir / ("rng.rank" + std::to_string(p.rank) + ".pt")).string());
-    p.trainer->data_parallel()->barrier();
-    if (!p.writer()) return;
+    dp->barrier();
+    if (!p.writer()) {
+      dp->release_all();
+      return;
+    }
   }
   LoadedModel merged = p.model;
   if (p.lora) {
@@ -245,6 +250,7 @@ void RunFolder::checkpoint(const Policy& p, int64_t step, const nlohmann::json& 
   // Written to a side file and renamed, so that a kill mid-write leaves no half file behind.
   std::ofstream(dir / "trainer_state.json.part") << state.dump(2) << "\n";
   std::filesystem::rename(dir / "trainer_state.json.part", dir / "trainer_state.json");
+  if (dp) dp->release_all();
 }
 
 namespace {
@@ -289,10 +295,16 @@ std::optional<Resume> find_resume(const RunConfig& c) {
 }
 
 void restore(Policy& p, const Resume& r) {
+  DataParallel* dp = p.trainer->data_parallel();
+  if (dp) dp->gather_all();  // zero3: whole parameters to load into, then sharded again
   if (p.lora) {
     load_peft_adapter(*p.model.model, r.dir / "adapter");
   } else {
     load_weights(*p.model.model, read_safetensors(safetensors::Checkpoint::open_dir(r.dir)), r.dir.string());
+  }
+  if (dp) {
+    dp->reshard();
+    dp->release_all();
   }
   p.trainer->load_state(r.dir / "optimizer.pt");
   // Each rank's own random state where the checkpoint has one (same world size), else rank 0's.

@@ -1,6 +1,8 @@
 // troupe's side of bench/sft_throughput.py: SFT steps (AdamW, clipping, loss on every token)
 // over fixed rows of token ids from a JSON file, timed after warm-up steps; prints one JSON
 // line with tokens/s and the process's peak RSS. Not a test: no assertions on speed or memory.
+// Under torchrun (RANK, WORLD_SIZE, ...) each rank trains its share of every batch, data
+// parallel with --sharding, and prints its own line (bench/sft_parallel.py).
 #include <chrono>
 #include <ctime>
 #include <fstream>
@@ -14,6 +16,7 @@
 #include <torch/torch.h>
 
 #include "policy/checkpoint.hpp"
+#include "trainer/data_parallel.hpp"
 #include "trainer/trainer.hpp"
 
 namespace {
@@ -31,6 +34,7 @@ int main(int argc, char** argv) {
   int64_t batch = 4, steps = 3, warmup = 1, threads = 0;
   double lr = 1e-5, max_grad_norm = 1.0;
   bool checkpointing = false;
+  std::string sharding = "none";
   CLI::App app{"Time troupe's SFT training steps"};
   app.add_option("--model", model_path)->required();
   app.add_option("--rows", rows_path, "JSON list of token-id rows, batch x (warmup + steps) of them")->required();
@@ -42,6 +46,8 @@ int main(int argc, char** argv) {
   app.add_option("--lr", lr);
   app.add_option("--max-grad-norm", max_grad_norm);
   app.add_flag("--activation-checkpointing", checkpointing);
+  app.add_option("--sharding", sharding, "under torchrun: none, zero1 or zero2")
+      ->check(CLI::IsMember({"none", "zero1", "zero2"}));
   CLI11_PARSE(app, argc, argv);
 
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
@@ -53,11 +59,14 @@ int main(int argc, char** argv) {
               << "\n";
     return 1;
   }
+  const troupe::ParallelEnv env = troupe::parallel_env();
+  // This rank's rows of each batch: contiguous, in rank order.
+  const int64_t first = batch * env.rank / env.world_size, last = batch * (env.rank + 1) / env.world_size;
   // Collated up front so the timed loop holds only the steps.
   std::vector<std::vector<troupe::sft::Batch>> step_batches;
   for (int64_t s = 0; s < warmup + steps; ++s) {
     std::vector<troupe::sft::Sequence> seqs;
-    for (int64_t r = 0; r < batch; ++r) {
+    for (int64_t r = first; r < last; ++r) {
       const auto& ids = rows[s * batch + r];
       seqs.push_back({.ids = ids, .loss_mask = std::vector<uint8_t>(ids.size(), 1)});
     }
@@ -70,6 +79,14 @@ int main(int argc, char** argv) {
   config.optimizer.max_grad_norm = max_grad_norm;
   config.activation_checkpointing = checkpointing;
   troupe::Trainer trainer(m.model, config);
+  if (env.distributed()) {
+    auto group = troupe::ProcessGroup::connect(env, torch::kCPU, std::chrono::minutes(10));
+    std::vector<std::pair<std::string, torch::Tensor>> named;
+    for (const auto& item : m.model->named_parameters()) named.emplace_back(item.key(), item.value());
+    const auto mode = sharding == "zero2" ? troupe::Sharding::zero2
+                      : sharding == "zero1" ? troupe::Sharding::zero1 : troupe::Sharding::none;
+    trainer.set_data_parallel(std::make_shared<troupe::DataParallel>(group, mode, named, config.optimizer));
+  }
   std::vector<double> losses;
   int64_t tokens = 0;
   auto start = std::chrono::steady_clock::now();
@@ -86,7 +103,9 @@ int main(int argc, char** argv) {
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   double cpu_seconds = static_cast<double>(std::clock() - cpu_start) / CLOCKS_PER_SEC;  // all threads
   std::string show = at::show_config();
-  nlohmann::json out = {{"tokens_per_s", tokens / seconds},
+  nlohmann::json out = {{"rank", env.rank},
+                        {"world_size", env.world_size},
+                        {"tokens_per_s", tokens / seconds},
                         {"seconds_per_step", seconds / steps},
                         {"cpu_seconds_per_step", cpu_seconds / steps},
                         {"losses", losses},

@@ -21,6 +21,8 @@ struct DataParallel::Block {
   std::vector<size_t> members;       // indices into params_
   std::vector<int64_t> offsets;      // each member's offset in the flat buffer
   int64_t numel = 0, padded = 0;     // elements, and rounded up to a multiple of the world size
+  int64_t layer = -1;                // model.layers.N: N; else -1
+  bool whole = true;                 // zero3: the parameters hold their values (else empty)
 };
 
 namespace {
@@ -70,13 +72,15 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
   const int64_t W = group_->size();
   for (size_t i : order) {
     auto [kind, n, block] = block_of(named[i].first);
-    if (blocks_.empty() || blocks_.back().name != block) blocks_.push_back(Block{.name = block});
+    if (blocks_.empty() || blocks_.back().name != block)
+      blocks_.push_back(Block{.name = block, .layer = kind == 1 ? n : -1});
     auto& b = blocks_.back();
     b.members.push_back(params_.size());
     b.offsets.push_back(b.numel);
     b.numel += named[i].second.numel();
     params_.push_back(named[i].second);
     names_.push_back(named[i].first);
+    shapes_.push_back(named[i].second.sizes().vec());
   }
   for (auto& b : blocks_) b.padded = (b.numel + W - 1) / W * W;
   original_ = {};
@@ -90,6 +94,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
       masters_.push_back(flat.narrow(0, group_->rank() * (b.padded / W), b.padded / W).clone().requires_grad_(true));
     }
     optimizer_ = make_adamw(masters_, config_);
+    if (mode_ == Sharding::zero3) release_all();  // from here each rank holds only its shards
   }
 }
 
@@ -144,11 +149,17 @@ double DataParallel::step_sharded() {
   for (size_t i = 0; i < blocks_.size(); ++i) {
     auto& b = blocks_[i];
     const int64_t n = b.padded / W;
+    if (mode_ == Sharding::zero3 && b.layer >= 0) {
+      // Reduce-scattered layer by layer in the backward pass already.
+      if (!masters_[i].grad().defined()) masters_[i].mutable_grad() = torch::zeros({n}, masters_[i].options());
+      local += masters_[i].grad().to(torch::kFloat64).pow(2).sum().item<double>();
+      continue;
+    }
     auto flat = flatten(b, /*grads=*/true);
     for (size_t k : b.members) params_[k].mutable_grad().reset();  // zero2 keeps only the shard from here
     torch::Tensor shard;
-    if (mode_ == Sharding::zero1) {
-      if (W > 1) group_->all_reduce_sum(flat);
+    if (mode_ == Sharding::zero1 && W > 1) {
+      group_->all_reduce_sum(flat);
       shard = flat.narrow(0, r * n, n).clone();
     } else {
       shard = torch::empty({n}, flat.options());
@@ -164,6 +175,10 @@ double DataParallel::step_sharded() {
       for (auto& m : masters_) m.mutable_grad().mul_(coef);
   }
   optimizer_->step();
+  if (mode_ == Sharding::zero3) {
+    release_all();  // the shards are the parameters; each use gathers them
+    return norm;
+  }
   for (size_t i = 0; i < blocks_.size(); ++i) {
     auto& b = blocks_[i];
     auto full = torch::empty({b.padded}, masters_[i].options().requires_grad(false));
@@ -179,7 +194,17 @@ double DataParallel::step_sharded() {
 MemoryBytes DataParallel::memory() const {
   MemoryBytes m;
   const int64_t W = group_->size();
-  for (const auto& p : params_) m.params += p.numel() * p.element_size();
+  for (size_t k = 0; k < params_.size(); ++k)
+    m.params += c10::multiply_integers(shapes_[k]) * params_[k].element_size();
+  if (mode_ == Sharding::zero3) {
+    // At rest between steps: the fp32 shard is the parameter; moments beside it.
+    int64_t shard = 0;
+    for (const auto& b : blocks_) shard += b.padded / W;
+    m.params = shard * 4;
+    m.grads = shard * 4;
+    m.optimizer = 2 * shard * 4;
+    return m;
+  }
   if (mode_ == Sharding::none) {
     m.grads = m.params;
     m.optimizer = 2 * m.params;  // exp_avg and exp_avg_sq, in the parameters' dtype
@@ -190,6 +215,92 @@ MemoryBytes DataParallel::memory() const {
     m.optimizer = 3 * shard * 4;  // fp32 master, exp_avg, exp_avg_sq
   }
   return m;
+}
+
+void DataParallel::gather_block(size_t i) {
+  auto& b = blocks_[i];
+  if (b.whole) return;
+  torch::NoGradGuard no_grad;
+  auto full = torch::empty({b.padded}, masters_[i].options().requires_grad(false));
+  if (group_->size() > 1) group_->all_gather(full, masters_[i].detach()); else full.copy_(masters_[i].detach());
+  for (size_t k = 0; k < b.members.size(); ++k) {
+    auto& p = params_[b.members[k]];
+    const auto& shape = shapes_[b.members[k]];
+    p.set_data(full.narrow(0, b.offsets[k], c10::multiply_integers(shape)).view(shape).to(p.dtype()));
+  }
+  b.whole = true;
+}
+
+void DataParallel::release_block(size_t i) {
+  auto& b = blocks_[i];
+  if (!b.whole) return;
+  torch::NoGradGuard no_grad;
+  for (size_t k : b.members) params_[k].set_data(torch::empty({0}, params_[k].options()));
+  b.whole = false;
+}
+
+size_t DataParallel::block_of_layer(int64_t layer) const {
+  for (size_t i = 0; i < blocks_.size(); ++i)
+    if (blocks_[i].layer == layer) return i;
+  return blocks_.size();  // a layer without trained parameters
+}
+
+void DataParallel::begin_step() {
+  if (mode_ != Sharding::zero3) return;
+  for (size_t i = 0; i < blocks_.size(); ++i)
+    if (blocks_[i].layer < 0) gather_block(i);
+}
+
+void DataParallel::gather_layer(int64_t layer) {
+  if (auto i = block_of_layer(layer); mode_ == Sharding::zero3 && i < blocks_.size()) gather_block(i);
+}
+
+void DataParallel::release_layer(int64_t layer) {
+  if (auto i = block_of_layer(layer); mode_ == Sharding::zero3 && i < blocks_.size()) release_block(i);
+}
+
+void DataParallel::reduce_layer_grads(int64_t layer, const std::vector<at::Tensor>& params,
+                                      const std::vector<at::Tensor>& grads) {
+  const size_t i = block_of_layer(layer);
+  if (mode_ != Sharding::zero3 || i == blocks_.size()) return;
+  torch::NoGradGuard no_grad;
+  const auto& b = blocks_[i];
+  const int64_t W = group_->size(), n = b.padded / W;
+  auto flat = torch::zeros({b.padded}, masters_[i].options().requires_grad(false));
+  for (size_t j = 0; j < params.size(); ++j) {
+    if (!grads[j].defined()) continue;
+    for (size_t k = 0; k < b.members.size(); ++k)
+      if (params_[b.members[k]].unsafeGetTensorImpl() == params[j].unsafeGetTensorImpl())
+        flat.narrow(0, b.offsets[k], grads[j].numel()).add_(grads[j].detach().reshape({-1}).to(torch::kFloat32));
+  }
+  auto shard = torch::empty({n}, flat.options());
+  if (W > 1) group_->reduce_scatter_sum(shard, flat); else shard.copy_(flat);
+  auto& g = masters_[i].mutable_grad();
+  if (g.defined()) g.add_(shard); else g = shard;
+}
+
+int64_t DataParallel::max_passes(int64_t local) {
+  return group_->size() > 1 ? static_cast<int64_t>(group_->max(static_cast<double>(local))) : local;
+}
+
+void DataParallel::gather_all() {
+  if (mode_ != Sharding::zero3) return;
+  for (size_t i = 0; i < blocks_.size(); ++i) gather_block(i);
+}
+
+void DataParallel::release_all() {
+  if (mode_ != Sharding::zero3) return;
+  for (size_t i = 0; i < blocks_.size(); ++i) release_block(i);
+}
+
+void DataParallel::reshard() {
+  if (mode_ == Sharding::none) return;
+  torch::NoGradGuard no_grad;
+  const int64_t W = group_->size(), r = group_->rank();
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const int64_t n = blocks_[i].padded / W;
+    masters_[i].detach().copy_(flatten(blocks_[i], false).narrow(0, r * n, n));
+  }
 }
 
 // The state as flat fp32 buffers per block: [block] {master (or params), exp_avg, exp_avg_sq}
@@ -249,7 +360,7 @@ void DataParallel::save_state(const std::filesystem::path& dir, int64_t version)
       for (size_t k : b.members) params.push_back({{"name", names_[k]}, {"shape", params_[k].sizes().vec()}});
       blocks.push_back({{"name", b.name}, {"numel", b.numel}, {"padded", b.padded}, {"params", params}});
     }
-    const char* modes[] = {"none", "zero1", "zero2"};
+    const char* modes[] = {"none", "zero1", "zero2", "zero3"};
     nlohmann::json layout{{"format", kLayoutFormat}, {"format_version", kLayoutVersion},
                           {"sharding", modes[static_cast<int>(mode_)]}, {"world_size", W},
                           {"version", version}, {"files", nullptr}, {"blocks", blocks}};

@@ -1,8 +1,9 @@
 // Data parallelism over trainer ranks, applied to a Trainer from outside (the Trainer is
 // written for one replica): gradients reduced in flat per-block buffers, clipped by the global
 // norm, AdamW stepped on the whole model (none) or on this rank's shard with fp32 master
-// weights (zero1, zero2), parameters gathered back. Collectives are c10d's (process_group.hpp).
-// Deliberately not here: zero3's sharded parameters (see DataParallel::Sharding).
+// weights (zero1, zero2), parameters gathered back; or parameters themselves sharded (zero3),
+// each decoder layer gathered for its forward pass and again for its backward pass.
+// Collectives are c10d's (process_group.hpp).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,9 @@ enum class Sharding {
   none,   // every rank keeps everything; gradients all-reduced (DDP)
   zero1,  // optimizer state and fp32 master weights sharded; gradients all-reduced
   zero2,  // + gradients reduce-scattered: each rank keeps only its shard of them
+  zero3,  // + parameters sharded: a decoder layer is whole only while it computes (Trainer's
+          //   layer-by-layer trunk, which recomputes each layer in backward); the embedding,
+          //   final norm and head are whole for the duration of a step
 };
 
 // What one rank holds for training, in bytes (metrics.jsonl's memory/* keys).
@@ -54,6 +58,22 @@ class DataParallel {
   Sharding mode() const { return mode_; }
   MemoryBytes memory() const;
 
+  // zero3. A step's collectives must line up on every rank: the Trainer runs as many
+  // forward/backward passes on each (max_passes), empty ones where a rank has run out.
+  bool shards_parameters() const { return mode_ == Sharding::zero3; }
+  void begin_step();                 // the embedding, norm and head whole until step() ends
+  void gather_layer(int64_t layer);  // decoder layer `layer`'s parameters whole
+  void release_layer(int64_t layer);
+  // A layer's parameter gradients from one backward pass (`params` and `grads` side by side,
+  // undefined grads as zeros), reduce-scattered and added to its shard's gradient.
+  void reduce_layer_grads(int64_t layer, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
+  int64_t max_passes(int64_t local);
+  // Every parameter whole for a scope: evaluation, exports, loading weights (after which
+  // reshard() takes the shards from the loaded parameters). No-ops unless zero3.
+  void gather_all();
+  void release_all();
+  void reshard();
+
   // Optimizer state: this rank's shard (rank R writes optimizer.rankR.pt) plus, from rank 0,
   // layout.json: the mode, world size, version and every block's parameters and sizes. load
   // reads the files of every rank it needs, so a checkpoint resumes at another world size.
@@ -65,6 +85,9 @@ class DataParallel {
  private:
   double step_replicated();
   double step_sharded();
+  void gather_block(size_t b);
+  void release_block(size_t b);
+  size_t block_of_layer(int64_t layer) const;
   // A block's parameters (or their gradients, zeros where undefined) as one fp32 buffer.
   at::Tensor flatten(const Block& b, bool grads) const;
 
@@ -77,6 +100,7 @@ class DataParallel {
   std::vector<at::Tensor> original_;               // the same, in the trainer's order
   std::vector<at::Tensor> masters_;                // sharded: [block] this rank's fp32 slice
   std::unique_ptr<torch::optim::AdamW> optimizer_;  // over params_ (none) or masters_ (zero)
+  std::vector<std::vector<int64_t>> shapes_;       // zero3: each parameter's shape, [param]
 };
 
 }  // namespace troupe

@@ -228,6 +228,15 @@ void ProcessGroup::broadcast(at::Tensor& t, int root) {
 
 void ProcessGroup::barrier() { impl_->wait(impl_->backend->barrier(c10d::BarrierOptions{}), "barrier"); }
 
+double ProcessGroup::max(double local) {
+  auto t = torch::tensor({local}, torch::kFloat64);
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  impl_->wait(impl_->backend->allreduce(tensors, o), "all_reduce(max)");
+  return t.item<double>();
+}
+
 double ProcessGroup::sum(double local) {
   auto t = torch::tensor({local}, torch::kFloat64);
   all_reduce_sum(t);

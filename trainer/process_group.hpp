@@ -63,8 +63,9 @@ class ProcessGroup {
   void broadcast(at::Tensor& t, int root);
   void barrier();
 
-  // The sum over ranks of a few numbers (token counts, loss sums), in float64.
+  // The sum (max) over ranks of a few numbers (token counts, loss sums), in float64.
   double sum(double local);
+  double max(double local);
 
   struct Impl;
 

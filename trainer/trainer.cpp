@@ -27,6 +27,7 @@ struct Trainer::Trunk {
   RotaryEmbedding rotary;
 
   explicit Trunk(TransformerImpl& model);
+  DataParallel* dp = nullptr;  // zero3: gathers each layer around its use
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& mask);
 };
 
@@ -53,8 +54,13 @@ void set_rng_state(torch::Device device, const torch::Tensor& state) {
 // a tensor hook on a layer parameter fires twice per backward pass, with the same gradient.
 // The attention mask rides along as a plain argument, not an input of the node: it takes no
 // gradient, and it may be undefined (plain causal attention), which a node input may not.
+// With zero3 (trainer/data_parallel.hpp) the layer's parameters are whole only inside forward
+// and backward: `dp` gathers them there and releases them after, and takes their gradients
+// (reduce-scattered into its shards) instead of autograd.
 struct MaskArg {
   torch::Tensor mask;
+  DataParallel* dp = nullptr;
+  int64_t layer = -1;
 };
 
 struct CheckpointedLayer : torch::autograd::Function<CheckpointedLayer> {
@@ -68,15 +74,25 @@ struct CheckpointedLayer : torch::autograd::Function<CheckpointedLayer> {
     if (!x.is_cpu()) ctx->saved_data["rng_device"] = rng_state(x.device());
     ctx->save_for_backward({x, cos, sin});
     if (mask.mask.defined()) ctx->saved_data["mask"] = mask.mask;
-    return layer->forward(x, cos, sin, mask.mask, nullptr);  // no graph: autograd is off inside forward
+    ctx->saved_data["dp"] = reinterpret_cast<int64_t>(mask.dp);
+    ctx->saved_data["index"] = mask.layer;
+    if (mask.dp) mask.dp->gather_layer(mask.layer);
+    auto out = layer->forward(x, cos, sin, mask.mask, nullptr);  // no graph: autograd is off inside forward
+    if (mask.dp) mask.dp->release_layer(mask.layer);
+    return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     auto* layer = reinterpret_cast<DecoderLayerImpl*>(ctx->saved_data["layer"].toInt());
+    auto* dp = reinterpret_cast<DataParallel*>(ctx->saved_data["dp"].toInt());
+    const int64_t index = ctx->saved_data["index"].toInt();
+    if (dp) dp->gather_layer(index);
     const auto saved = ctx->get_saved_variables();
     const auto params = layer->parameters();
-    TORCH_CHECK(static_cast<int64_t>(params.size()) == ctx->saved_data["params"].toInt(),
+    // zero3 passes no parameters as inputs: their gradients go to dp, not to autograd.
+    const int64_t passed = ctx->saved_data["params"].toInt();
+    TORCH_CHECK(dp || static_cast<int64_t>(params.size()) == passed,
                 "activation checkpointing: the layer's parameters changed between forward and backward");
     auto x = saved[0].detach().requires_grad_(true);
     torch::Tensor out;
@@ -103,8 +119,18 @@ struct CheckpointedLayer : torch::autograd::Function<CheckpointedLayer> {
     auto grads = torch::autograd::grad({out}, wrt, {grad_out[0]}, /*retain_graph=*/false, /*create_graph=*/false,
                                        /*allow_unused=*/true);
     // One gradient per forward argument: x, layer, cos, sin, mask, then each parameter.
-    torch::autograd::variable_list result(5 + params.size());
+    torch::autograd::variable_list result(5 + passed);
     result[0] = grads[0];
+    if (dp) {
+      std::vector<torch::Tensor> trained_params, trained_grads;
+      for (size_t k = 0; k < trained.size(); ++k) {
+        trained_params.push_back(params[trained[k]]);
+        trained_grads.push_back(grads[1 + k]);
+      }
+      dp->reduce_layer_grads(index, trained_params, trained_grads);
+      dp->release_layer(index);
+      return result;
+    }
     for (size_t k = 0; k < trained.size(); ++k) result[5 + trained[k]] = grads[1 + k];
     return result;
   }
@@ -198,8 +224,14 @@ torch::Tensor Trainer::Trunk::forward(const torch::Tensor& ids, const torch::Ten
                                       const torch::Tensor& mask) {
   auto h = embed->forward(ids);  // (B, T, H)
   auto [cos, sin] = rotary.cos_sin(positions, h.scalar_type());
+  // zero3 with a frozen embedding (LoRA): the node has no parameter inputs, so its input must
+  // take a gradient for backward to reach the first layer's adapters.
+  if (dp && !h.requires_grad()) h = h.detach().requires_grad_(true);
   for (size_t l = 0; l < layers.size(); ++l)
-    h = CheckpointedLayer::apply(h, layers[l], cos, sin, MaskArg{mask}, at::TensorList(layer_params[l]));
+    // zero3: the parameters are not inputs of the node, whose graph would otherwise keep their
+    // gradient accumulators (and so their shapes) from the moment they were released.
+    h = CheckpointedLayer::apply(h, layers[l], cos, sin, MaskArg{mask, dp, static_cast<int64_t>(l)},
+                                 dp ? at::TensorList() : at::TensorList(layer_params[l]));
   return norm->forward(h);
 }
 
@@ -255,7 +287,34 @@ double scheduled_lr(const OptimizerConfig& o, int64_t step) {
 
 double Trainer::lr_at(int64_t step) const { return scheduled_lr(config_.optimizer, step); }
 
-void Trainer::set_data_parallel(std::shared_ptr<DataParallel> dp) { dp_ = std::move(dp); }
+void Trainer::set_data_parallel(std::shared_ptr<DataParallel> dp) {
+  dp_ = std::move(dp);
+  if (dp_ && dp_->shards_parameters()) {
+    // zero3 gathers each layer where the checkpointed trunk runs it, forward and backward.
+    if (!trunk_) trunk_ = std::make_unique<Trunk>(*model_);
+    trunk_->dp = dp_.get();
+  }
+}
+
+namespace {
+// zero3: every parameter whole for a scope (evaluation); a no-op otherwise.
+struct WholeParameters {
+  explicit WholeParameters(DataParallel* dp) : dp(dp) {
+    if (dp) dp->gather_all();
+  }
+  ~WholeParameters() {
+    if (dp) dp->release_all();
+  }
+  DataParallel* dp;
+};
+
+// A pass through the model that trains nothing, for a rank that has run out of micro-batches
+// while others have not: zero3's layer collectives must line up on every rank.
+sft::Batch empty_pass() {
+  const std::vector<sft::Sequence> one{sft::Sequence{.ids = {0, 0}, .loss_mask = {0, 0}}};
+  return sft::collate(one);
+}
+}  // namespace
 
 double Trainer::finish_step() {
   if (dp_) {
@@ -410,9 +469,18 @@ SftMetrics Trainer::sft_step(std::span<const sft::Batch> micro_batches) {
   }
   if (m.tokens == 0) throw Error("trainer: sft_step got no trained tokens (an empty batch, or no assistant tokens)");
   const auto device = model_->lm_head_weight().device();
+  if (dp_) dp_->begin_step();
+  std::vector<const sft::Batch*> passes;
+  for (const auto& b : micro_batches)
+    if (b.tokens > 0) passes.push_back(&b);
+  const int64_t rounds = dp_ && dp_->shards_parameters() ? dp_->max_passes(passes.size()) : passes.size();
   double nll_sum = 0;
-  for (const auto& b : micro_batches) {
-    if (b.tokens == 0) continue;
+  for (int64_t i = 0; i < rounds; ++i) {
+    if (i >= static_cast<int64_t>(passes.size())) {
+      (target_logprobs(empty_pass()).sum() * 0.0).backward();
+      continue;
+    }
+    const auto& b = *passes[i];
     auto logp = target_logprobs(b);
     auto nll = -(logp * b.loss_mask.to(device)).sum();
     // Summed, then divided by the whole step's token count: the micro-batches' gradients add
@@ -439,6 +507,7 @@ struct EvalMode {
 double Trainer::sft_eval(std::span<const sft::Batch> batches) {
   torch::NoGradGuard no_grad;
   EvalMode eval(*model_);
+  WholeParameters whole(dp_.get());
   const auto device = model_->lm_head_weight().device();
   double nll_sum = 0;
   int64_t tokens = 0;
@@ -466,6 +535,12 @@ DpoMetrics Trainer::dpo_pass(std::span<const dpo::Pair> pairs, bool train) {
   const int64_t micro = config_.dpo_micro_pairs > 0 ? config_.dpo_micro_pairs : std::max<int64_t>(local_pairs, 1);
   DpoMetrics m;
   m.pairs = B;
+  if (dp && dp->shards_parameters()) {
+    // zero3: as many passes as the rank with the most, so the layer collectives line up.
+    const int64_t mine = (local_pairs + micro - 1) / micro;
+    for (int64_t extra = dp->max_passes(mine) - mine; extra > 0; --extra)
+      (target_logprobs(empty_pass()).sum() * 0.0).backward();
+  }
   for (int64_t s = 0; s < local_pairs; s += micro) {
     const int64_t n = std::min(micro, local_pairs - s);
     // Chosen rows then rejected rows of the same pairs in one forward pass.
@@ -506,6 +581,7 @@ DpoMetrics Trainer::dpo_pass(std::span<const dpo::Pair> pairs, bool train) {
 }
 
 DpoMetrics Trainer::dpo_step(std::span<const dpo::Pair> pairs) {
+  if (dp_) dp_->begin_step();
   auto m = dpo_pass(pairs, /*train=*/true);
   m.lr = lr_at(version_);
   m.grad_norm = finish_step();
@@ -515,6 +591,7 @@ DpoMetrics Trainer::dpo_step(std::span<const dpo::Pair> pairs) {
 DpoMetrics Trainer::dpo_eval(std::span<const dpo::Pair> pairs) {
   torch::NoGradGuard no_grad;
   EvalMode eval(*model_);
+  WholeParameters whole(dp_.get());
   return dpo_pass(pairs, /*train=*/false);
 }
 

@@ -264,7 +264,7 @@ TEST_CASE("parallel: trainer ranks and sharding for the trainer-alone recipes, e
   CHECK(error_of(sft, {"parallel.trainer_ranks=0"}) ==
         "configs/x.yaml, override 'parallel.trainer_ranks=0': parallel.trainer_ranks: must be >= 1 (1: one process), got 0");
   CHECK(error_of(sft, {"parallel.sharding=zero9"}) ==
-        "configs/x.yaml, override 'parallel.sharding=zero9': parallel.sharding: expected one of none, zero1, zero2, got \"zero9\" "
+        "configs/x.yaml, override 'parallel.sharding=zero9': parallel.sharding: expected one of none, zero1, zero2, zero3, got \"zero9\" "
         "(did you mean zero1?)");
   CHECK(error_of(sft, {"parallel.trainer_ranks=5"}) ==
         "configs/x.yaml, override 'parallel.trainer_ranks=5': parallel.trainer_ranks: must be <= trainer.batch_size = 4 "

@@ -122,7 +122,7 @@ void check_against_one_rank(const Recipe& r) {
   const std::string base = r.config + "_1";
   run_ok(r, steps, base, "");
   for (int ranks : {2, 4}) {
-    for (std::string mode : {"none", "zero1", "zero2"}) {
+    for (std::string mode : {"none", "zero1", "zero2", "zero3"}) {
       const std::string name = r.config + "_" + std::to_string(ranks) + "_" + mode;
       run_ok(r, steps, name, "parallel.trainer_ranks=" + std::to_string(ranks) + " parallel.sharding=" + mode);
       const double w = max_diff(last_weights(r, base, steps), last_weights(r, name, steps));
@@ -155,17 +155,23 @@ TEST_CASE("one rank through the data-parallel path is bit for bit the plain trai
   CHECK(fs::exists(run_dir("world1") / "checkpoints" / ("step_" + std::to_string(steps)) / "layout.json"));
 }
 
-TEST_CASE("zero2 shards gradients and optimizer state: each rank holds a quarter at 4 ranks") {
+TEST_CASE("memory per rank at 4 ranks against one rank: zero2 shards gradients and optimizer, zero3 parameters too") {
   const int steps = 2;
-  run_ok(kSft, steps, "memory_1", "parallel.sharding=zero2");
-  run_ok(kSft, steps, "memory_4", "parallel.trainer_ranks=4 parallel.sharding=zero2");
-  auto one = metrics(run_dir("memory_1")).back(), four = metrics(run_dir("memory_4")).back();
-  for (std::string key : {"memory/grads_bytes", "memory/optimizer_bytes", "memory/params_bytes"}) {
-    for (const auto& b : four[key + "/per_rank"]) {
-      const double ratio = b.get<double>() / one[key].get<double>();
-      MESSAGE(key << " at 4 ranks: " << b.get<int64_t>() << " bytes, " << ratio << " x one rank's");
-      if (key == "memory/params_bytes") CHECK(ratio == doctest::Approx(1.0));  // zero2 keeps whole parameters
-      else CHECK(ratio <= 0.26);  // a quarter, plus padding to a multiple of 4 per block
+  run_ok(kSft, steps, "memory_1", "parallel.sharding=none", "export RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                                                               std::to_string(free_port()) + "; ");
+  auto one = metrics(run_dir("memory_1")).back();
+  for (std::string mode : {"zero2", "zero3"}) {
+    run_ok(kSft, steps, "memory_4_" + mode, "parallel.trainer_ranks=4 parallel.sharding=" + mode);
+    auto four = metrics(run_dir("memory_4_" + mode)).back();
+    for (std::string key : {"memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes"}) {
+      for (const auto& b : four[key + "/per_rank"]) {
+        const double ratio = b.get<double>() / one[key].get<double>();
+        MESSAGE(mode << " " << key << " at 4 ranks: " << b.get<int64_t>() << " bytes, " << ratio << " x one rank's "
+                     << one[key].get<int64_t>());
+        if (mode == "zero2" && key == "memory/params_bytes") CHECK(ratio == doctest::Approx(1.0));  // whole parameters
+        else if (mode == "zero2" && key == "memory/optimizer_bytes") CHECK(ratio <= 0.38);  // fp32 master + 2 moments, a quarter each
+        else CHECK(ratio <= 0.3);
+      }
     }
   }
 }
