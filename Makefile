@@ -40,7 +40,8 @@ bench: build
 	$(PY) bench/decode_llamacpp.py --bench $(BUILD)/bench/bench_decode --model $(MODEL)
 	$(PY) bench/serve_load.py --troupe $(BUILD)/troupe --model $(MODEL)
 	$(PY) bench/sft_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_sft --model $(MODEL) --work $(BUILD)/bench_models/smollm2
-	$(PY) bench/sft_parallel.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_sft --model $(MODEL) --work $(BUILD)/bench_models/smollm2
+	$(PY) bench/sft_parallel.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_sft --model $(MODEL) --work $(BUILD)/bench_models/smollm2 --sharding zero2
+	$(PY) bench/sft_parallel.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_sft --model $(MODEL) --work $(BUILD)/bench_models/smollm2 --sharding zero3
 	$(PY) bench/async_overlap.py --troupe $(BUILD)/troupe --config configs/demo.yaml --steps 20 --set trainer.batch_groups=1 generator.group_size=6 generator.max_tokens=192
 
 clean:

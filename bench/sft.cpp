@@ -46,8 +46,8 @@ int main(int argc, char** argv) {
   app.add_option("--lr", lr);
   app.add_option("--max-grad-norm", max_grad_norm);
   app.add_flag("--activation-checkpointing", checkpointing);
-  app.add_option("--sharding", sharding, "under torchrun: none, zero1 or zero2")
-      ->check(CLI::IsMember({"none", "zero1", "zero2"}));
+  app.add_option("--sharding", sharding, "under torchrun: none, zero1, zero2 or zero3")
+      ->check(CLI::IsMember({"none", "zero1", "zero2", "zero3"}));
   CLI11_PARSE(app, argc, argv);
 
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
@@ -83,8 +83,10 @@ int main(int argc, char** argv) {
     auto group = troupe::ProcessGroup::connect(env, torch::kCPU, std::chrono::minutes(10));
     std::vector<std::pair<std::string, torch::Tensor>> named;
     for (const auto& item : m.model->named_parameters()) named.emplace_back(item.key(), item.value());
-    const auto mode = sharding == "zero2" ? troupe::Sharding::zero2
-                      : sharding == "zero1" ? troupe::Sharding::zero1 : troupe::Sharding::none;
+    const auto mode = sharding == "zero3"   ? troupe::Sharding::zero3
+                      : sharding == "zero2" ? troupe::Sharding::zero2
+                      : sharding == "zero1" ? troupe::Sharding::zero1
+                                            : troupe::Sharding::none;
     trainer.set_data_parallel(std::make_shared<troupe::DataParallel>(group, mode, named, config.optimizer));
   }
   std::vector<double> losses;

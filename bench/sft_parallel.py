@@ -107,7 +107,7 @@ def main():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--sharding", default="zero2", choices=["none", "zero1", "zero2"])
+    p.add_argument("--sharding", default="zero2", choices=["none", "zero1", "zero2", "zero3"])
     p.add_argument("--child", choices=["peer"], help=argparse.SUPPRESS)
     p.add_argument("--rows", help=argparse.SUPPRESS)
     args = p.parse_args()

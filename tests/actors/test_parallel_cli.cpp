@@ -130,6 +130,17 @@ void check_against_one_rank(const Recipe& r) {
       MESSAGE(r.config << " at " << ranks << " ranks, " << mode << ": max |weight diff| " << w << ", max |metric diff| " << m);
       CHECK(w <= 1e-5);
       CHECK(m <= 1e-5);
+      if (ranks == 4 && mode == "zero3" && r.weights == "model.safetensors") {
+        // The export is whole (gathered from every rank's shard) and transformers loads it.
+        auto dir = last_weights(r, name, steps).parent_path();
+        auto load = run_command(shell_quote((source() / ".venv" / "bin" / "python").string()) +
+                                " -c 'import sys; from transformers import AutoModelForCausalLM; "
+                                "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); print(\"params\", sum(p.numel() for p in m.parameters()))' " +
+                                shell_quote(dir.string()) + " 2>&1");
+        INFO(load.out);
+        CHECK(load.status == 0);
+        CHECK(load.out.find("params ") != std::string::npos);
+      }
       auto last = metrics(run_dir(name)).back();
       REQUIRE(last.contains("memory/optimizer_bytes/per_rank"));
       CHECK(last["memory/optimizer_bytes/per_rank"].size() == static_cast<size_t>(ranks));
@@ -266,6 +277,45 @@ TEST_CASE("a rank killed with SIGKILL stops the job within 60 s, naming the rank
   CHECK(WEXITSTATUS(status) != 0);
   CHECK_MESSAGE(out.find("trainer rank 1 of 2") != std::string::npos, out);
   CHECK_MESSAGE(out.find("killed by signal 9") != std::string::npos, out);
+}
+
+TEST_CASE("a rank that hangs (SIGSTOP) stops the job once parallel.timeout_s has passed") {
+  auto dir = run_dir("hung_rank");
+  fs::remove_all(dir);
+  auto log = fixtures() / "parallel_hung_rank.log";
+  pid_t job = start_background(troupe_run("tiny_arithmetic_sft", common(kSft, 100000) +
+                                                                    " parallel.trainer_ranks=2 parallel.timeout_s=5 run.dir=" +
+                                                                    shell_quote(dir.string())),
+                               log);
+  REQUIRE(wait_steps(dir, 3));
+  pid_t victim = 0;
+  for (auto [pid, r] : ranks_of(job))
+    if (r == 1) victim = pid;
+  REQUIRE(victim > 0);
+  kill(victim, SIGSTOP);
+  auto t0 = Clock::now();
+  int status = 0;
+  bool ended = false;
+  while (Clock::now() - t0 < std::chrono::seconds(90)) {
+    if (waitpid(job, &status, WNOHANG) == job) {
+      ended = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  kill(victim, SIGKILL);  // if it is still there
+  if (!ended) {
+    kill(job, SIGKILL);
+    waitpid(job, nullptr, 0);
+  }
+  std::ifstream in(log);
+  std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  REQUIRE_MESSAGE(ended, out);
+  MESSAGE("the job stopped " << std::chrono::duration<double>(Clock::now() - t0).count() << " s after rank 1 hung");
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) != 0);
+  CHECK_MESSAGE(out.find("trainer rank 0 of 2") != std::string::npos, out);       // the rank left waiting
+  CHECK_MESSAGE(out.find("parallel.timeout_s = 5 s") != std::string::npos, out);  // and why it gave up
 }
 
 TEST_CASE("a job killed mid-way resumes at 2 ranks and at 3 ranks, ending where an uninterrupted run ends") {
