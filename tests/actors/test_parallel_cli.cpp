@@ -22,8 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "policy/safetensors.hpp"
-#include "tests/test_util.hpp"
+#include "tests/actors/run_util.hpp"
 
 namespace fs = std::filesystem;
 using namespace troupe;
@@ -31,37 +30,6 @@ using namespace troupe::test;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-std::string troupe_run(const std::string& config, const std::string& args) {
-  return "cd " + shell_quote(source().string()) + " && exec " + shell_quote(env_dir("TROUPE_BIN").string()) +
-         " run configs/" + config + ".yaml " + args;
-}
-
-std::vector<nlohmann::json> metrics(const fs::path& dir) {
-  std::ifstream in(dir / "metrics.jsonl");
-  std::vector<nlohmann::json> out;
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-// Largest |a - b| over every float32 tensor of two safetensors files.
-double max_diff(const fs::path& a, const fs::path& b) {
-  auto fa = safetensors::File::open(a), fb = safetensors::File::open(b);
-  double worst = 0;
-  REQUIRE(fa->tensors().size() == fb->tensors().size());
-  for (const auto& ta : fa->tensors()) {
-    const auto& tb = fb->at(ta.name);
-    REQUIRE(ta.nbytes == tb.nbytes);
-    REQUIRE(ta.dtype == safetensors::Dtype::F32);
-    for (size_t i = 0; i < ta.nbytes / 4; ++i) {
-      float x, y;
-      std::memcpy(&x, ta.data + 4 * i, 4);
-      std::memcpy(&y, tb.data + 4 * i, 4);
-      worst = std::max(worst, static_cast<double>(std::fabs(x - y)));
-    }
-  }
-  return worst;
-}
 
 double max_metric_diff(const fs::path& a, const fs::path& b, const std::vector<std::string>& keys) {
   auto ma = metrics(a), mb = metrics(b);
@@ -232,6 +200,22 @@ pid_t start_background(const std::string& cmd, const fs::path& log) {
   return pid;
 }
 
+// Waits at most `limit` for `job` to exit; a job still running then is killed (false).
+bool wait_exit(pid_t job, std::chrono::seconds limit, int* status) {
+  for (auto t0 = Clock::now(); Clock::now() - t0 < limit;) {
+    if (waitpid(job, status, WNOHANG) == job) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  kill(job, SIGKILL);
+  waitpid(job, nullptr, 0);
+  return false;
+}
+
+std::string read_log(const fs::path& log) {
+  std::ifstream in(log);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
 bool wait_steps(const fs::path& dir, size_t n) {
   auto until = Clock::now() + std::chrono::minutes(2);
   while (Clock::now() < until) {
@@ -257,20 +241,8 @@ TEST_CASE("a rank killed with SIGKILL stops the job within 60 s, naming the rank
   kill(victim, SIGKILL);
   auto t0 = Clock::now();
   int status = 0;
-  bool ended = false;
-  while (Clock::now() - t0 < std::chrono::seconds(60)) {
-    if (waitpid(job, &status, WNOHANG) == job) {
-      ended = true;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  if (!ended) {
-    kill(job, SIGKILL);
-    waitpid(job, nullptr, 0);
-  }
-  std::ifstream in(log);
-  std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const bool ended = wait_exit(job, std::chrono::seconds(60), &status);
+  const std::string out = read_log(log);
   REQUIRE_MESSAGE(ended, out);
   MESSAGE("the job stopped " << std::chrono::duration<double>(Clock::now() - t0).count() << " s after rank 1 was killed");
   CHECK(WIFEXITED(status));
@@ -295,21 +267,9 @@ TEST_CASE("a rank that hangs (SIGSTOP) stops the job once parallel.timeout_s has
   kill(victim, SIGSTOP);
   auto t0 = Clock::now();
   int status = 0;
-  bool ended = false;
-  while (Clock::now() - t0 < std::chrono::seconds(90)) {
-    if (waitpid(job, &status, WNOHANG) == job) {
-      ended = true;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  const bool ended = wait_exit(job, std::chrono::seconds(90), &status);
   kill(victim, SIGKILL);  // if it is still there
-  if (!ended) {
-    kill(job, SIGKILL);
-    waitpid(job, nullptr, 0);
-  }
-  std::ifstream in(log);
-  std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string out = read_log(log);
   REQUIRE_MESSAGE(ended, out);
   MESSAGE("the job stopped " << std::chrono::duration<double>(Clock::now() - t0).count() << " s after rank 1 hung");
   CHECK(WIFEXITED(status));

@@ -17,45 +17,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include "policy/safetensors.hpp"
-#include "tests/test_util.hpp"
+#include "tests/actors/run_util.hpp"
 
 namespace fs = std::filesystem;
 using namespace troupe;
 using namespace troupe::test;
 
 namespace {
-
-std::string troupe_run(const std::string& config, const std::string& args) {
-  return "cd " + shell_quote(source().string()) + " && exec " + shell_quote(env_dir("TROUPE_BIN").string()) +
-         " run configs/" + config + ".yaml " + args;
-}
-
-std::vector<nlohmann::json> metrics(const fs::path& dir) {
-  std::ifstream in(dir / "metrics.jsonl");
-  std::vector<nlohmann::json> out;
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-// Largest |a - b| over every float32 tensor of two safetensors files.
-double max_diff(const fs::path& a, const fs::path& b) {
-  auto fa = safetensors::File::open(a), fb = safetensors::File::open(b);
-  double worst = 0;
-  REQUIRE(fa->tensors().size() == fb->tensors().size());
-  for (const auto& ta : fa->tensors()) {
-    const auto& tb = fb->at(ta.name);
-    REQUIRE(ta.nbytes == tb.nbytes);
-    REQUIRE(ta.dtype == safetensors::Dtype::F32);
-    for (size_t i = 0; i < ta.nbytes / 4; ++i) {
-      float x, y;
-      std::memcpy(&x, ta.data + 4 * i, 4);
-      std::memcpy(&y, tb.data + 4 * i, 4);
-      worst = std::max(worst, static_cast<double>(std::fabs(x - y)));
-    }
-  }
-  return worst;
-}
 
 // Runs the config straight through, then again killed with SIGKILL once `kill_at` steps are in
 // metrics.jsonl and resumed; compares the final weights (`weights` inside the last checkpoint)

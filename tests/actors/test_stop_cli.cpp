@@ -14,7 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "tests/test_util.hpp"
+#include "tests/actors/run_util.hpp"
 
 namespace fs = std::filesystem;
 using namespace troupe::test;
@@ -22,22 +22,9 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-std::string troupe_run(const std::string& config, const std::string& args) {
-  return "cd " + shell_quote(source().string()) + " && exec " + shell_quote(env_dir("TROUPE_BIN").string()) +
-         " run configs/" + config + ".yaml " + args;
-}
-
 std::string task_args(const std::string& data) {
   auto task = fixtures() / "arithmetic";
   return "model.path=" + shell_quote((task / "model").string()) + " data.train.path=" + shell_quote((task / data).string());
-}
-
-// Every line of metrics.jsonl parsed; a torn last line fails the parse.
-std::vector<nlohmann::json> metrics(const fs::path& dir) {
-  std::ifstream in(dir / "metrics.jsonl");
-  std::vector<nlohmann::json> out;
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
 }
 
 std::string read(const fs::path& file) {

@@ -1,0 +1,54 @@
+// What the tests that drive `troupe run` share: the command line, a run's metrics.jsonl, and
+// the largest weight difference between two checkpoints' safetensors files.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "policy/safetensors.hpp"
+#include "tests/test_util.hpp"
+
+namespace troupe::test {
+
+// `troupe run configs/CONFIG.yaml ARGS` from the source folder (as the README runs it).
+inline std::string troupe_run(const std::string& config, const std::string& args) {
+  return "cd " + shell_quote(source().string()) + " && exec " + shell_quote(env_dir("TROUPE_BIN").string()) +
+         " run configs/" + config + ".yaml " + args;
+}
+
+// Every line of DIR/metrics.jsonl parsed; a torn line fails the parse.
+inline std::vector<nlohmann::json> metrics(const std::filesystem::path& dir) {
+  std::ifstream in(dir / "metrics.jsonl");
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// Largest |a - b| over every float32 tensor of two safetensors files.
+inline double max_diff(const std::filesystem::path& a, const std::filesystem::path& b) {
+  auto fa = safetensors::File::open(a), fb = safetensors::File::open(b);
+  double worst = 0;
+  REQUIRE(fa->tensors().size() == fb->tensors().size());
+  for (const auto& ta : fa->tensors()) {
+    const auto& tb = fb->at(ta.name);
+    REQUIRE(ta.nbytes == tb.nbytes);
+    REQUIRE(ta.dtype == safetensors::Dtype::F32);
+    for (size_t i = 0; i < ta.nbytes / 4; ++i) {
+      float x, y;
+      std::memcpy(&x, ta.data + 4 * i, 4);
+      std::memcpy(&y, tb.data + 4 * i, 4);
+      worst = std::max(worst, static_cast<double>(std::fabs(x - y)));
+    }
+  }
+  return worst;
+}
+
+}  // namespace troupe::test
