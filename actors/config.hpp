@@ -21,7 +21,7 @@ struct RewardSpec;  // reward/registry.hpp; to_reward_specs() converts to it
 // grpo and ppo run the actor graph; sft, lora (sft with LoRA adapters) and dpo run the trainer
 // alone. Every recipe reads the same sections; each uses the keys it needs.
 enum class Recipe { grpo, sft, lora, dpo, ppo, online_dpo };
-enum class ModelDtype { automatic, float32, bfloat16 };  // automatic: "auto", resolved per machine at run time
+enum class ModelDtype { automatic, float32, bfloat16, float64 };  // automatic: "auto", resolved per machine at run time
 enum class EngineKind { builtin, remote };
 enum class RewardScaling { group, batch, none };
 enum class LossAggregation { grpo, dr_grpo, dapo };
@@ -30,7 +30,7 @@ enum class ShardingMode { none, zero1, zero2, zero3 };
 
 // Names as written in YAML, in enum order.
 inline constexpr std::array<std::string_view, 6> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo", "online_dpo"};
-inline constexpr std::array<std::string_view, 3> kModelDtypeNames = {"auto", "float32", "bfloat16"};
+inline constexpr std::array<std::string_view, 4> kModelDtypeNames = {"auto", "float32", "bfloat16", "float64"};
 inline constexpr std::array<std::string_view, 2> kEngineNames = {"builtin", "remote"};
 inline constexpr std::array<std::string_view, 3> kRewardScalingNames = {"group", "batch", "none"};
 inline constexpr std::array<std::string_view, 3> kLossAggregationNames = {"grpo", "dr_grpo", "dapo"};
@@ -51,6 +51,7 @@ struct ModelSection {
   std::string path;                 // required: a Hugging Face folder or a .gguf file
   // Weights and compute, for the trainer and built-in generators. auto: bfloat16 on CUDA and on
   // CPUs that compute it natively (AVX-512 BF16, AMX), float32 elsewhere; absent: float32.
+  // float64: for exactness checks (slow).
   ModelDtype dtype = ModelDtype::float32;
   std::string device = "cpu";       // cpu, cuda or cuda:N
   bool operator==(const ModelSection&) const = default;

@@ -20,13 +20,14 @@ namespace troupe::recipe {
 
 torch::Dtype dtype_of(ModelDtype d) {
   TORCH_CHECK(d != ModelDtype::automatic, "model.dtype auto reached dtype_of unresolved: call resolve_model_dtype first");
-  return d == ModelDtype::bfloat16 ? torch::kBFloat16 : torch::kFloat32;
+  return d == ModelDtype::bfloat16 ? torch::kBFloat16 : d == ModelDtype::float64 ? torch::kFloat64 : torch::kFloat32;
 }
 
 ModelDtype resolve_model_dtype(const ModelSection& m) {
   auto choice = choose_dtype(to_string(m.dtype), torch::Device(m.device), "model.dtype");
   if (!choice.note.empty() && parallel_env().rank == 0)
     (choice.warning ? std::cerr : std::cout) << "troupe run: " << choice.note << std::endl;
+  if (choice.dtype == torch::kFloat64) return ModelDtype::float64;
   return choice.dtype == torch::kBFloat16 ? ModelDtype::bfloat16 : ModelDtype::float32;
 }
 

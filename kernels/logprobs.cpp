@@ -22,9 +22,12 @@ void check_args(const torch::Tensor& hidden, const torch::Tensor& weight, const 
   TORCH_CHECK(chunk > 0, "token_logprobs: chunk must be positive, got ", chunk);
 }
 
-// (B, len, H) x (V, H) -> float32 logits / T, (B, len, V)
+// float32 for bfloat16 and float32 models; float64 models stay float64 (exactness tests).
+at::ScalarType wide(at::ScalarType t) { return at::promote_types(t, torch::kFloat32); }
+
+// (B, len, H) x (V, H) -> float32 (or float64) logits / T, (B, len, V)
 torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& weight, double temperature) {
-  auto logits = torch::matmul(h, weight.t()).to(torch::kFloat32);
+  auto logits = torch::matmul(h, weight.t()).to(wide(h.scalar_type()));
   return temperature == 1.0 ? logits : logits / temperature;
 }
 
@@ -32,7 +35,7 @@ struct ChunkedLogprobs : public torch::autograd::Function<ChunkedLogprobs> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
                                const torch::Tensor& targets, double temperature, int64_t chunk) {
     const int64_t T = hidden.size(1);
-    auto out = torch::empty(targets.sizes(), hidden.options().dtype(torch::kFloat32));
+    auto out = torch::empty(targets.sizes(), hidden.options().dtype(wide(hidden.scalar_type())));
     for (int64_t start = 0; start < T; start += chunk) {
       const int64_t len = std::min(chunk, T - start);
       auto logp = chunk_logits(hidden.narrow(1, start, len), weight, temperature).log_softmax(-1);
@@ -56,17 +59,18 @@ struct ChunkedLogprobs : public torch::autograd::Function<ChunkedLogprobs> {
     const auto& grad = grads[0];  // (B, T)
     const int64_t T = hidden.size(1);
     auto grad_hidden = torch::zeros_like(hidden);
-    auto grad_weight = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+    const auto acc = wide(weight.scalar_type());
+    auto grad_weight = torch::zeros(weight.sizes(), weight.options().dtype(acc));
     for (int64_t start = 0; start < T; start += chunk) {
       const int64_t len = std::min(chunk, T - start);
       auto h = hidden.narrow(1, start, len);
-      auto g = grad.narrow(1, start, len).to(torch::kFloat32).unsqueeze(-1);     // (B, len, 1)
+      auto g = grad.narrow(1, start, len).to(acc).unsqueeze(-1);                  // (B, len, 1)
       auto gz = -chunk_logits(h, weight, temperature).softmax(-1) * g;            // (B, len, V)
       gz.scatter_add_(-1, targets.narrow(1, start, len).unsqueeze(-1), g);
       if (temperature != 1.0) gz.div_(temperature);
       auto gz_flat = gz.reshape({-1, gz.size(-1)});                               // (B*len, V)
       grad_hidden.narrow(1, start, len).copy_(torch::matmul(gz.to(weight.scalar_type()), weight));
-      grad_weight.add_(torch::matmul(gz_flat.t(), h.reshape({-1, h.size(-1)}).to(torch::kFloat32)));
+      grad_weight.add_(torch::matmul(gz_flat.t(), h.reshape({-1, h.size(-1)}).to(acc)));
     }
     return {grad_hidden, grad_weight.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }

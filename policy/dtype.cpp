@@ -8,9 +8,10 @@ namespace troupe {
 
 DtypeChoice choose_dtype(std::string_view name, const torch::Device& device, std::string_view key) {
   const std::string k(key);
-  if (name != "auto" && name != "float32" && name != "bfloat16" && name != "float16")
-    throw Error(k + " '" + std::string(name) + "': expected auto, float32, bfloat16 or float16");
+  if (name != "auto" && name != "float32" && name != "bfloat16" && name != "float16" && name != "float64")
+    throw Error(k + " '" + std::string(name) + "': expected auto, float32, bfloat16, float16 or float64");
   if (name == "float32") return {torch::kFloat32, "", false};
+  if (name == "float64") return {torch::kFloat64, "", false};
   if (!device.is_cpu()) {
     if (name == "auto") return {torch::kBFloat16, k + " auto: bfloat16 on " + device.str(), false};
     return {name == "bfloat16" ? torch::kBFloat16 : torch::kFloat16, "", false};

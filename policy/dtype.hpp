@@ -1,5 +1,5 @@
 // The floating-point type a model's weights and compute use, chosen from a name: float32,
-// bfloat16, float16, or auto (bfloat16 only where the device computes it natively). One
+// bfloat16, float16, float64 (exactness checks), or auto (bfloat16 only where the device computes it natively). One
 // place for every command (troupe run's model.dtype, --dtype of generate, serve and eval).
 #pragma once
 

@@ -26,7 +26,7 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  auto h = x.to(torch::kFloat32);
+  auto h = x.to(at::promote_types(x.scalar_type(), torch::kFloat32));  // float64 stays float64
   h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
   return weight_ * h.to(x.scalar_type());
 }

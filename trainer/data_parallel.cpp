@@ -55,6 +55,9 @@ torch::optim::AdamWParamState& adam_state(torch::optim::AdamW& opt, const torch:
 
 std::string rank_file(int r) { return "optimizer.rank" + std::to_string(r) + ".pt"; }
 
+// Reductions and master weights in float32, or float64 for a float64 model (exactness checks).
+at::ScalarType wide_of(const torch::Tensor& p) { return at::promote_types(p.scalar_type(), torch::kFloat32); }
+
 }  // namespace
 
 DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
@@ -101,7 +104,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
 DataParallel::~DataParallel() = default;
 
 torch::Tensor DataParallel::flatten(const Block& b, bool grads) const {
-  auto flat = torch::zeros({b.padded}, params_[b.members[0]].options().dtype(torch::kFloat32));
+  auto flat = torch::zeros({b.padded}, params_[b.members[0]].options().dtype(wide_of(params_[b.members[0]])));
   for (size_t k = 0; k < b.members.size(); ++k) {
     const auto& p = params_[b.members[k]];
     const auto& src = grads ? p.grad() : p;
@@ -200,9 +203,10 @@ MemoryBytes DataParallel::memory() const {
     // At rest between steps: the fp32 shard is the parameter; moments beside it.
     int64_t shard = 0;
     for (const auto& b : blocks_) shard += b.padded / W;
-    m.params = shard * 4;
-    m.grads = shard * 4;
-    m.optimizer = 2 * shard * 4;
+    const int64_t e = masters_[0].element_size();
+    m.params = shard * e;
+    m.grads = shard * e;
+    m.optimizer = 2 * shard * e;
     return m;
   }
   if (mode_ == Sharding::none) {
@@ -211,8 +215,9 @@ MemoryBytes DataParallel::memory() const {
   } else {
     int64_t shard = 0;
     for (const auto& b : blocks_) shard += b.padded / W;
-    m.grads = mode_ == Sharding::zero1 ? m.params : shard * 4;
-    m.optimizer = 3 * shard * 4;  // fp32 master, exp_avg, exp_avg_sq
+    const int64_t e = masters_[0].element_size();
+    m.grads = mode_ == Sharding::zero1 ? m.params : shard * e;
+    m.optimizer = 3 * shard * e;  // fp32 master, exp_avg, exp_avg_sq
   }
   return m;
 }
@@ -271,7 +276,7 @@ void DataParallel::reduce_layer_grads(int64_t layer, const std::vector<at::Tenso
     if (!grads[j].defined()) continue;
     for (size_t k = 0; k < b.members.size(); ++k)
       if (params_[b.members[k]].unsafeGetTensorImpl() == params[j].unsafeGetTensorImpl())
-        flat.narrow(0, b.offsets[k], grads[j].numel()).add_(grads[j].detach().reshape({-1}).to(torch::kFloat32));
+        flat.narrow(0, b.offsets[k], grads[j].numel()).add_(grads[j].detach().reshape({-1}).to(flat.scalar_type()));
   }
   auto shard = torch::empty({n}, flat.options());
   if (W > 1) group_->reduce_scatter_sum(shard, flat); else shard.copy_(flat);
@@ -316,7 +321,8 @@ void DataParallel::save_state(const std::filesystem::path& dir, int64_t version)
     const int64_t n = b.padded / W;
     torch::Tensor master, avg, avg_sq;
     if (mode_ == Sharding::none) {
-      auto full_avg = torch::zeros({b.padded}, torch::kFloat32), full_sq = torch::zeros({b.padded}, torch::kFloat32);
+      const auto w = wide_of(params_[b.members[0]]);
+      auto full_avg = torch::zeros({b.padded}, w), full_sq = torch::zeros({b.padded}, w);
       for (size_t k = 0; k < b.members.size(); ++k) {
         const auto& p = params_[b.members[k]];
         auto it = optimizer_->state().find(p.unsafeGetTensorImpl());
@@ -338,8 +344,8 @@ void DataParallel::save_state(const std::filesystem::path& dir, int64_t version)
         avg_sq = s.exp_avg_sq().clone();
         step = s.step();
       } else {
-        avg = torch::zeros({n}, torch::kFloat32);
-        avg_sq = torch::zeros({n}, torch::kFloat32);
+        avg = torch::zeros({n}, masters_[i].scalar_type());
+        avg_sq = torch::zeros({n}, masters_[i].scalar_type());
       }
     }
     archive.write("master/" + std::to_string(i), master.cpu());
@@ -437,7 +443,7 @@ int64_t DataParallel::load_state(const std::filesystem::path& dir) {
     } else {
       const int64_t n = b.padded / W;
       auto pad = [&](const torch::Tensor& t) {
-        auto out = torch::zeros({b.padded}, torch::kFloat32);
+        auto out = torch::zeros({b.padded}, masters_[i].scalar_type());
         out.narrow(0, 0, b.numel).copy_(t);
         return out.narrow(0, r * n, n).clone().to(masters_[i].device());
       };

@@ -230,7 +230,7 @@ TEST_CASE("each kind of bad input names file, line and key") {
   CHECK(error_of(with_line(1, "recipe: grpo2")) ==
         "configs/x.yaml:1: recipe: expected one of grpo, sft, lora, dpo, ppo, online_dpo, got \"grpo2\" (did you mean grpo?)");
   CHECK(error_of(with_line(3, "  path: m\n  dtype: fp16")) ==
-        "configs/x.yaml:4: model.dtype: expected one of auto, float32, bfloat16, got \"fp16\"");
+        "configs/x.yaml:4: model.dtype: expected one of auto, float32, bfloat16, float64, got \"fp16\"");
   CHECK(error_of(with_line(10, "  - {name: c, kind: math_anser}")) ==
         "configs/x.yaml:10: rewards.0.kind: expected one of math_answer, format, plugin, http, got \"math_anser\" (did you "
         "mean math_answer?)");

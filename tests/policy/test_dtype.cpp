@@ -115,7 +115,7 @@ TEST_CASE("auto on a GPU is bfloat16") {
 
 TEST_CASE("bad names and bad overrides are errors that name the setting") {
   CHECK_THROWS_WITH_AS(choose_dtype("fp16", torch::kCPU, "--dtype"),
-                       "--dtype 'fp16': expected auto, float32, bfloat16 or float16", Error);
+                       "--dtype 'fp16': expected auto, float32, bfloat16, float16 or float64", Error);
   ScopedEnv force("TROUPE_CPU_BF16", "yes");
   CHECK_THROWS_WITH(cpu_bf16(),
                     "TROUPE_CPU_BF16='yes': expected 1 (treat bf16 as native) or 0 (as emulated); unset it to detect");
