@@ -19,6 +19,7 @@
 #include <map>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -293,7 +294,7 @@ TEST_CASE("a rank that hangs (SIGSTOP) stops the job once parallel.timeout_s has
   CHECK_MESSAGE(out.find("parallel.timeout_s = 5 s") != std::string::npos, out);  // and why it gave up
 }
 
-TEST_CASE("a job killed mid-way resumes at 2 ranks and at 3 ranks, ending where an uninterrupted run ends") {
+TEST_CASE("a job killed mid-way resumes at 2 ranks and at 3 ranks (as zero3), ending where an uninterrupted run ends") {
   const int steps = 30;
   const std::string args = "parallel.trainer_ranks=2 parallel.sharding=zero2 run.checkpoint_every=5";
   run_ok(kSft, steps, "resume_straight", args);
@@ -312,10 +313,12 @@ TEST_CASE("a job killed mid-way resumes at 2 ranks and at 3 ranks, ending where 
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   fs::remove_all(run_dir("resume_killed_3"));
   fs::copy(dir, run_dir("resume_killed_3"), fs::copy_options::recursive | fs::copy_options::overwrite_existing);
-  for (auto [name, ranks] : {std::pair{std::string("resume_killed"), 2}, std::pair{std::string("resume_killed_3"), 3}}) {
+  // At 3 ranks the zero2 checkpoint also changes mode: zero3 reshards parameters as well.
+  for (auto [name, ranks, mode] : {std::tuple{std::string("resume_killed"), 2, std::string("zero2")},
+                                   std::tuple{std::string("resume_killed_3"), 3, std::string("zero3")}}) {
     auto res = run_command(troupe_run("tiny_arithmetic_sft", common(kSft, steps) + " parallel.trainer_ranks=" +
-                                                                 std::to_string(ranks) +
-                                                                 " parallel.sharding=zero2 run.checkpoint_every=5 run.dir=" +
+                                                                 std::to_string(ranks) + " parallel.sharding=" + mode +
+                                                                 " run.checkpoint_every=5 run.dir=" +
                                                                  shell_quote(run_dir(name).string()) + " resume=" +
                                                                  shell_quote(run_dir(name).string())) + " 2>&1");
     INFO(res.out);
@@ -323,7 +326,7 @@ TEST_CASE("a job killed mid-way resumes at 2 ranks and at 3 ranks, ending where 
     CHECK(res.out.find("resumed from") != std::string::npos);
     const double w = max_diff(last_weights(kSft, "resume_straight", steps), last_weights(kSft, name, steps));
     const double m = max_metric_diff(run_dir("resume_straight"), run_dir(name), {"loss"});
-    MESSAGE("killed after " << killed_after << " steps, resumed at " << ranks << " ranks: max |weight diff| " << w
+    MESSAGE("killed after " << killed_after << " steps, resumed at " << ranks << " ranks (" << mode << "): max |weight diff| " << w
                             << ", max |loss diff| " << m);
     CHECK(w <= 1e-5);
     CHECK(m <= 1e-5);
