@@ -109,8 +109,7 @@ Policy load_policy(const RunConfig& c, TrainerConfig trainer) {
     std::vector<std::pair<std::string, torch::Tensor>> named;
     for (const auto& item : p.model.model->named_parameters())
       if (trained.count(item.value().unsafeGetTensorImpl())) named.emplace_back(item.key(), item.value());
-    const Sharding modes[] = {Sharding::none, Sharding::zero1, Sharding::zero2, Sharding::zero3};
-    p.trainer->set_data_parallel(std::make_shared<DataParallel>(group, modes[static_cast<size_t>(c.parallel.sharding)],
+    p.trainer->set_data_parallel(std::make_shared<DataParallel>(group, sharding_of(to_string(c.parallel.sharding)),
                                                                 named, trainer.optimizer));
     if (p.writer())
       std::cout << "troupe run: " << p.ranks << " trainer ranks (" << env.launcher << ", " << group->backend() << "), sharding "

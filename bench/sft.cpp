@@ -83,11 +83,8 @@ int main(int argc, char** argv) {
     auto group = troupe::ProcessGroup::connect(env, torch::kCPU, std::chrono::minutes(10));
     std::vector<std::pair<std::string, torch::Tensor>> named;
     for (const auto& item : m.model->named_parameters()) named.emplace_back(item.key(), item.value());
-    const auto mode = sharding == "zero3"   ? troupe::Sharding::zero3
-                      : sharding == "zero2" ? troupe::Sharding::zero2
-                      : sharding == "zero1" ? troupe::Sharding::zero1
-                                            : troupe::Sharding::none;
-    trainer.set_data_parallel(std::make_shared<troupe::DataParallel>(group, mode, named, config.optimizer));
+    trainer.set_data_parallel(
+        std::make_shared<troupe::DataParallel>(group, troupe::sharding_of(sharding), named, config.optimizer));
   }
   std::vector<double> losses;
   int64_t tokens = 0;

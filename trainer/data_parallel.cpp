@@ -27,6 +27,7 @@ struct DataParallel::Block {
 
 namespace {
 
+constexpr std::string_view kShardingNames[] = {"none", "zero1", "zero2", "zero3"};  // in enum order
 constexpr const char* kLayoutFormat = "troupe-sharded-optimizer";
 constexpr int64_t kLayoutVersion = 1;
 
@@ -60,6 +61,14 @@ at::ScalarType wide_of(const torch::Tensor& p) { return at::promote_types(p.scal
 
 }  // namespace
 
+std::string_view name_of(Sharding mode) { return kShardingNames[static_cast<size_t>(mode)]; }
+
+Sharding sharding_of(std::string_view name) {
+  for (size_t i = 0; i < std::size(kShardingNames); ++i)
+    if (kShardingNames[i] == name) return static_cast<Sharding>(i);
+  throw Error("sharding '" + std::string(name) + "': expected none, zero1, zero2 or zero3");
+}
+
 DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
                            std::vector<std::pair<std::string, at::Tensor>> named, const OptimizerConfig& config)
     : group_(std::move(group)), mode_(mode), config_(config) {
@@ -86,7 +95,6 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
     shapes_.push_back(named[i].second.sizes().vec());
   }
   for (auto& b : blocks_) b.padded = (b.numel + W - 1) / W * W;
-  original_ = {};
   for (auto& [name, p] : named) original_.push_back(p);
   if (mode_ == Sharding::none) {
     optimizer_ = make_adamw(params_, config_);
@@ -366,9 +374,8 @@ void DataParallel::save_state(const std::filesystem::path& dir, int64_t version)
       for (size_t k : b.members) params.push_back({{"name", names_[k]}, {"shape", params_[k].sizes().vec()}});
       blocks.push_back({{"name", b.name}, {"numel", b.numel}, {"padded", b.padded}, {"params", params}});
     }
-    const char* modes[] = {"none", "zero1", "zero2", "zero3"};
     nlohmann::json layout{{"format", kLayoutFormat}, {"format_version", kLayoutVersion},
-                          {"sharding", modes[static_cast<int>(mode_)]}, {"world_size", W},
+                          {"sharding", std::string(name_of(mode_))}, {"world_size", W},
                           {"version", version}, {"files", nullptr}, {"blocks", blocks}};
     nlohmann::json files = nlohmann::json::array();
     for (int64_t k = 0; k < W; ++k) files.push_back(rank_file(static_cast<int>(k)));

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -27,6 +28,11 @@ enum class Sharding {
           //   layer-by-layer trunk, which recomputes each layer in backward); the embedding,
           //   final norm and head are whole for the duration of a step
 };
+
+// The modes by name ("none", "zero1", ...), as configs, layout.json and bench_sft write them;
+// sharding_of throws Error for any other name.
+std::string_view name_of(Sharding mode);
+Sharding sharding_of(std::string_view name);
 
 // What one rank holds for training, in bytes (metrics.jsonl's memory/* keys).
 struct MemoryBytes {

@@ -463,9 +463,11 @@ SftMetrics Trainer::sft_step(std::span<const sft::Batch> micro_batches) {
   }
   if (dp_) {
     // This rank's micro-batches are its share of the step: divide by the global count.
-    m.tokens = static_cast<int64_t>(dp_->sum(static_cast<double>(m.tokens)));
-    m.sequences = static_cast<int64_t>(dp_->sum(static_cast<double>(m.sequences)));
-    m.rows = static_cast<int64_t>(dp_->sum(static_cast<double>(m.rows)));
+    // One collective for the three counts.
+    auto counts = torch::tensor({m.tokens, m.sequences, m.rows}, torch::kInt64);
+    dp_->all_reduce_sum(counts);
+    auto c = counts.accessor<int64_t, 1>();
+    std::tie(m.tokens, m.sequences, m.rows) = std::tuple{c[0], c[1], c[2]};
   }
   if (m.tokens == 0) throw Error("trainer: sft_step got no trained tokens (an empty batch, or no assistant tokens)");
   const auto device = model_->lm_head_weight().device();
