@@ -611,6 +611,15 @@ void parse_parallel(Map m, ParallelSection& c) {
   m.check(c.timeout_s > 0, "timeout_s", "must be > 0" + got(c.timeout_s));
 }
 
+void parse_cluster(Map m, ClusterSection& c) {
+  m.allow({"generator_processes", "join_timeout_s"});
+  m.get("generator_processes", c.generator_processes);
+  m.check(c.generator_processes >= 0, "generator_processes",
+          "must be >= 0 (0: generators in the run's own process)" + got(c.generator_processes));
+  m.get("join_timeout_s", c.join_timeout_s);
+  m.check(c.join_timeout_s > 0, "join_timeout_s", "must be > 0" + got(c.join_timeout_s));
+}
+
 void parse_run(Map m, RunSection& c, const std::string& stem) {
   m.allow({"dir", "checkpoint_every", "log_every", "seed", "deterministic"});
   c.dir = "runs/" + stem;
@@ -644,7 +653,7 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
     throw Error(s.file + ": empty config (expected recipe, model, data, generator, rewards, trainer, async, run)");
   Map top(s, "", root, root.Mark());
   top.allow({"recipe", "resume", "model", "lora", "data", "generator", "rewards", "reference", "trainer", "async",
-             "parallel", "run"});
+             "parallel", "cluster", "run"});
   RunConfig c;
   top.require("recipe", c.recipe, "one of " + join(kRecipeNames));
   top.get("resume", c.resume);
@@ -659,6 +668,7 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   parse_trainer(s, top.map("trainer"), c.trainer, c.recipe);
   parse_async(top.map("async"), c.async);
   parse_parallel(top.map("parallel"), c.parallel);
+  parse_cluster(top.map("cluster"), c.cluster);
   parse_run(top.map("run"), c.run, stem);
 
   Map ref = top.map("reference");
@@ -673,7 +683,8 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   ref.check(!c.reference.path.empty(), "path", "must not be empty (absent: model.path)");
 
   // An RL checkpoint is resumable only where the generators hold its weights: after a sync.
-  const bool graph = c.recipe == Recipe::grpo || c.recipe == Recipe::ppo || c.recipe == Recipe::online_dpo;
+  const bool graph = c.recipe == Recipe::grpo || c.recipe == Recipe::ppo || c.recipe == Recipe::online_dpo ||
+                     c.recipe == Recipe::reinforce;
   if (graph)
     top.map("run").check(c.run.checkpoint_every % c.async.sync_every == 0, "checkpoint_every",
                          "must be a multiple of async.sync_every = " + fmt(c.async.sync_every) + got(c.run.checkpoint_every));
@@ -691,6 +702,17 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
     top.map("parallel").check(c.trainer.batch_size >= c.parallel.trainer_ranks, "trainer_ranks",
                               "must be <= trainer.batch_size = " + fmt(c.trainer.batch_size) +
                                   " (every rank trains a part of each batch)" + got(c.parallel.trainer_ranks));
+  if (c.cluster.generator_processes > 0) {
+    top.map("cluster").check(graph, "generator_processes",
+                             "only the RL recipes (grpo, ppo, online_dpo, reinforce) have generators" +
+                                 got(c.cluster.generator_processes));
+    top.map("cluster").check(c.generator.engine == EngineKind::builtin, "generator_processes",
+                             "runs built-in engines; generator.engine remote drives its server from the run's process");
+    top.map("generator").check(c.generator.count == 1 || c.generator.count == c.cluster.generator_processes, "count",
+                               "must be 1 or cluster.generator_processes = " + fmt(c.cluster.generator_processes) +
+                                   " (each worker process runs one generator)" + got(c.generator.count));
+    c.generator.count = c.cluster.generator_processes;
+  }
   if (graph && c.rewards.empty())
     top.fail("rewards", "required: at least one reward for recipe " + std::string(to_string(c.recipe)) +
                             " (e.g. - {name: correct, kind: math_answer})");
@@ -969,6 +991,9 @@ std::string to_yaml(const RunConfig& c) {
   w.line(2, "max_staleness", fmt(c.async.max_staleness));
   w.line(2, "sync_every", fmt(c.async.sync_every));
 
+  w.line(0, "cluster", "");
+  w.line(2, "generator_processes", fmt(c.cluster.generator_processes));
+  w.line(2, "join_timeout_s", fmt(c.cluster.join_timeout_s));
   w.line(0, "parallel", "");
   w.line(2, "trainer_ranks", fmt(c.parallel.trainer_ranks));
   w.line(2, "sharding", name_of(c.parallel.sharding));

@@ -20,7 +20,7 @@ struct RewardSpec;  // reward/registry.hpp; to_reward_specs() converts to it
 
 // grpo and ppo run the actor graph; sft, lora (sft with LoRA adapters) and dpo run the trainer
 // alone. Every recipe reads the same sections; each uses the keys it needs.
-enum class Recipe { grpo, sft, lora, dpo, ppo, online_dpo };
+enum class Recipe { grpo, sft, lora, dpo, ppo, online_dpo, reinforce };
 enum class ModelDtype { automatic, float32, bfloat16, float64 };  // automatic: "auto", resolved per machine at run time
 enum class EngineKind { builtin, remote };
 enum class RewardScaling { group, batch, none };
@@ -29,7 +29,7 @@ enum class LossKind { grpo, dpo, ppo };
 enum class ShardingMode { none, zero1, zero2, zero3 };
 
 // Names as written in YAML, in enum order.
-inline constexpr std::array<std::string_view, 6> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo", "online_dpo"};
+inline constexpr std::array<std::string_view, 7> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo", "online_dpo", "reinforce"};
 inline constexpr std::array<std::string_view, 4> kModelDtypeNames = {"auto", "float32", "bfloat16", "float64"};
 inline constexpr std::array<std::string_view, 2> kEngineNames = {"builtin", "remote"};
 inline constexpr std::array<std::string_view, 3> kRewardScalingNames = {"group", "batch", "none"};
@@ -188,6 +188,14 @@ struct ParallelSection {
   bool operator==(const ParallelSection&) const = default;
 };
 
+// Where the actor graph's generators run. Placement never changes the result.
+struct ClusterSection {
+  int64_t generator_processes = 0;  // >0: that many worker processes on this host, one generator each
+                                    // (generator.count then follows it); 0: generators in this process
+  double join_timeout_s = 120;      // workers that have not joined by then fail the run
+  bool operator==(const ClusterSection&) const = default;
+};
+
 struct RunSection {
   std::string dir;              // outputs (config.yaml, metrics.jsonl, checkpoints); absent: runs/<config file stem>
   int64_t checkpoint_every = 0; // optimizer steps between checkpoints; 0: only at the end
@@ -227,6 +235,7 @@ struct RunConfig {
   TrainerSection trainer;
   AsyncSection async;
   ParallelSection parallel;
+  ClusterSection cluster;
   RunSection run;
   // A run folder (its newest complete checkpoint) or one checkpoint folder to continue from:
   // `troupe run CONFIG resume=runs/NAME`. Empty: start fresh. Every recipe.

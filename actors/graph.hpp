@@ -1,6 +1,10 @@
-// The async GRPO actor graph: data -> generators -> reward -> (reference) -> trainer, with
-// weights flowing back after each step and prompt credits bounding staleness. Everything a
-// run needs arrives in GraphSpec, so tests and `troupe run` launch the same graph.
+// The async RL actor graph: data -> generators -> reward -> (reference) -> trainer, with weight
+// notices flowing back after each step and prompt credits bounding staleness. The actors live
+// one per file (actors/*_actor.cpp, controller.cpp) and speak the typed protocol of
+// actors/protocol.hpp; how a batch trains is the recipe's (actors/recipes/). Everything a run
+// needs arrives in GraphSpec, so tests and `troupe run` launch the same graph. Generators are
+// built from plain data (GeneratorSpec), so they run in this process or in worker processes
+// (cluster.generator_processes), with the same result.
 #pragma once
 
 #include <atomic>
@@ -14,7 +18,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "actors/messages.hpp"
+#include "actors/protocol.hpp"
+#include "actors/generator_actor.hpp"
 #include "generator/engine.hpp"
 #include "generator/remote_engine.hpp"
 #include "policy/lora.hpp"
@@ -37,12 +42,15 @@ struct GraphResume {
   int64_t first_new_batch = 0; // the data source resumes at first_new_batch * batch_groups prompts
 };
 
-// Reads `dir`'s trainer_state.json and rollouts; throws Error naming the file when it is not a
-// complete graph checkpoint.
 struct GraphSpec {
-  // Each generator, the trainer and the reference get their own copy of the weights.
+  // The trainer and the reference each get their own copy of the starting policy. Generators
+  // load model_source's architecture (in generator_dtype on generator_device) and then take the
+  // trainer's weights, version 0 included, before any prompt.
   std::function<Transformer()> make_policy;
-  std::optional<Tokenizer> tokenizer;  // decodes completions for rewards; stop strings
+  std::optional<Tokenizer> tokenizer;  // decodes completions for rewards
+  std::filesystem::path tokenizer_path;  // the same tokenizer for generators (stop strings); empty: none
+  std::string generator_dtype = "float32";
+  std::string generator_device = "cpu";
   // The data source: the next n prompts (ids, text, metadata). Called by the data actor only.
   std::function<std::vector<PromptItem>(int64_t n)> next_prompts;
   std::shared_ptr<const CombinedReward> reward;
@@ -51,10 +59,6 @@ struct GraphSpec {
   // recipe ppo: the trainer is a PpoTrainer (value head on the trunk, GAE, clipped value loss)
   // instead of GRPO's; trainer.optimizer, micro_batch and logprob_chunk are taken from `trainer`.
   std::optional<PpoConfig> ppo;
-  // recipe online_dpo: each group's best and worst completion by reward form a DPO pair
-  // (trainer.dpo's beta and label smoothing), against the reference actor's log-probs; groups
-  // whose rewards all tie give no pair.
-  bool online_dpo = false;
   // LoRA: the trainer trains adapters only; generators receive the merged weights.
   std::optional<LoraConfig> lora;
   uint64_t seed = 0;  // the adapters' initialisation
@@ -64,6 +68,11 @@ struct GraphSpec {
   EngineOptions engine;
   SamplingParams sampling;   // n is the group size G
   int64_t generators = 1;
+  // Generators in worker processes on this host instead (`troupe worker`, started by the run and
+  // connected over CAF's network layer on loopback): 0 keeps them all in this process.
+  int64_t generator_processes = 0;
+  std::filesystem::path worker_program;  // the troupe binary to start them with; empty: this one
+  double worker_join_timeout_s = 120;    // a worker that has not joined by then fails the run
   // Intra-op CPU threads per actor (0: LibTorch's default, every core). Set per thread, so a
   // generator and the trainer can split the cores instead of contending for all of them.
   int64_t generator_threads = 0;
@@ -91,12 +100,16 @@ struct GraphSpec {
   // what it holds, so batch k is generated entirely by version max(0, k - eta) (with
   // sync_every 1), and groups train in ticket order: the run does not depend on timing.
   bool deterministic = false;
-  std::string recipe = "grpo";  // written into trainer_state.json, checked on resume
+  // How a batch trains: a name in actors/recipes/registry.cpp (grpo, ppo, online_dpo, reinforce);
+  // written into trainer_state.json, checked on resume.
+  std::string recipe = "grpo";
   // Where to continue from. make_policy still builds the starting policy (the reference, and
   // LoRA's base); the trainer and generators then take the checkpoint's weights.
   std::optional<GraphResume> resume;
 };
 
+// Reads `dir`'s trainer_state.json and rollouts; throws Error naming the file when it is not a
+// complete graph checkpoint.
 GraphResume read_graph_checkpoint(const std::filesystem::path& dir);
 
 struct GraphResult {
@@ -113,8 +126,7 @@ struct GraphResult {
 // shuts everything down and returns. Never throws for failures inside actors.
 GraphResult run_graph(const GraphSpec& spec);
 
-// Weight records for a WeightsUpdate, and back (the generator side).
-std::vector<TensorRecord> to_records(const std::map<std::string, torch::Tensor>& tensors);
-std::map<std::string, torch::Tensor> from_records(const std::vector<TensorRecord>& records);
+// The plain-data part of the spec a generator is built from (in this process or a worker).
+GeneratorSpec generator_spec(const GraphSpec& spec);
 
 }  // namespace troupe

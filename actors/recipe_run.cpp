@@ -10,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include "actors/trainer_state.hpp"
 #include "policy/dtype.hpp"
 #include "policy/error.hpp"
 #include "policy/safetensors.hpp"
@@ -245,11 +246,9 @@ void RunFolder::checkpoint(const Policy& p, int64_t step, const nlohmann::json& 
     p.trainer->save_state(dir / "optimizer.pt");
     torch::save(at::detail::getDefaultCPUGenerator().get_state(), (dir / "rng.pt").string());
   }
-  nlohmann::json state{{"recipe", std::string(to_string(c_.recipe))}, {"model", c_.model.path}, {"step", step},
-                       {"policy_version", p.trainer->version()}, {"cursor", cursor}};
-  // Written to a side file and renamed, so that a kill mid-write leaves no half file behind.
-  std::ofstream(dir / "trainer_state.json.part") << state.dump(2) << "\n";
-  std::filesystem::rename(dir / "trainer_state.json.part", dir / "trainer_state.json");
+  // One optimizer step per step here, so the version the trainer counts is the updates made.
+  write_trainer_state(dir, {.recipe = std::string(to_string(c_.recipe)), .model = c_.model.path, .step = step,
+                            .policy_version = p.trainer->version(), .cursor = cursor});
   if (dp) dp->release_all();
 }
 
@@ -281,17 +280,13 @@ std::optional<Resume> find_resume(const RunConfig& c) {
     dir = best;
   }
   auto file = dir / "trainer_state.json";
-  auto state = nlohmann::json::parse(std::ifstream(file), nullptr, false);
-  if (state.is_discarded() || !state.is_object() || !state.contains("step") || !state.contains("recipe"))
-    throw Error(file.string() + ": not a troupe trainer state (expected recipe, model, step, cursor)");
-  const std::string recipe = state["recipe"].get<std::string>();
-  if (recipe != to_string(c.recipe))
-    throw Error(file.string() + ": the checkpoint is from recipe " + recipe + ", this config runs " +
+  auto state = read_trainer_state(dir);
+  if (state.recipe != to_string(c.recipe))
+    throw Error(file.string() + ": the checkpoint is from recipe " + state.recipe + ", this config runs " +
                 std::string(to_string(c.recipe)) + " (recipe, resume)");
-  if (state.value("model", "") != c.model.path)
-    throw Error(file.string() + ": the checkpoint trained " + state.value("model", "?") + ", this config's model.path is " +
-                c.model.path);
-  return Resume{dir, state["step"].get<int64_t>(), state.value("cursor", nlohmann::json::object())};
+  if (state.model != c.model.path)
+    throw Error(file.string() + ": the checkpoint trained " + state.model + ", this config's model.path is " + c.model.path);
+  return Resume{dir, state.step, state.cursor};
 }
 
 void restore(Policy& p, const Resume& r) {

@@ -101,6 +101,7 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
     case Recipe::dpo: return run_dpo(c, stop_requested);
     case Recipe::ppo:
     case Recipe::online_dpo:
+    case Recipe::reinforce:
     case Recipe::grpo: break;
   }
   // First: a wrong checkpoint fails before any loading.
@@ -130,6 +131,9 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
     return m.model;
   };
   spec.tokenizer = tokenizer;
+  spec.tokenizer_path = c.model.path;
+  spec.generator_dtype = std::string(to_string(c.model.dtype));
+  spec.generator_device = c.model.device;
   spec.next_prompts = [source](int64_t n) {
     std::vector<PromptItem> out;
     for (auto& p : source->next(n)) out.push_back({p.id, 0, std::move(p.ids), std::move(p.text), p.metadata.dump()});
@@ -148,7 +152,6 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
                          .num_iterations = c.trainer.num_iterations, .micro_batch = c.trainer.micro_batch,
                          .logprob_chunk = c.trainer.logprob_chunk};
   }
-  spec.online_dpo = c.recipe == Recipe::online_dpo;
   spec.seed = c.run.seed;
   spec.batch_groups = c.trainer.batch_groups;
   spec.steps = c.trainer.steps;
@@ -156,7 +159,9 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
   spec.sampling = {.n = c.generator.group_size, .temperature = c.generator.temperature, .top_p = c.generator.top_p,
                    .top_k = c.generator.top_k, .min_p = c.generator.min_p, .max_tokens = c.generator.max_tokens,
                    .stop = c.generator.stop};
-  spec.generators = c.generator.count;
+  spec.generators = c.cluster.generator_processes > 0 ? c.cluster.generator_processes : c.generator.count;
+  spec.generator_processes = c.cluster.generator_processes;
+  spec.worker_join_timeout_s = c.cluster.join_timeout_s;
   spec.generator_threads = c.generator.threads;
   spec.trainer_threads = c.trainer.threads;
   if (c.generator.engine == EngineKind::remote) {

@@ -18,6 +18,7 @@
 #include "actors/config.hpp"
 #include "actors/launch.hpp"
 #include "actors/run.hpp"
+#include "actors/worker.hpp"
 #include "generator/generate.hpp"
 #include "generator/server.hpp"
 #include "policy/chat_template.hpp"
@@ -147,13 +148,15 @@ struct RecipeLine {
   Recipe recipe;
   const char* what;
 };
-constexpr std::array<RecipeLine, 6> kRecipeLines = {{
+constexpr std::array<RecipeLine, 7> kRecipeLines = {{
     {Recipe::grpo, "async GRPO: generators sample G completions per prompt, rewards score them, the policy learns "
                    "from group-relative advantages (actor graph)"},
     {Recipe::ppo, "PPO: GRPO's graph with a value head on the policy's trunk and GAE over KL-shaped rewards "
                   "instead of group-relative advantages (actor graph)"},
     {Recipe::online_dpo, "online DPO: generators sample G completions per prompt, rewards rank them, each "
                          "prompt's best and worst form a DPO pair against the frozen start (actor graph)"},
+    {Recipe::reinforce, "REINFORCE with a mean baseline: the plain policy gradient on reward minus the group's "
+                        "mean, no clipping (actor graph; the smallest recipe, actors/recipes/reinforce.cpp)"},
     {Recipe::sft, "supervised fine-tuning of all weights on prompt/response or chat JSONL, loss on the responses "
                   "(trainer alone)"},
     {Recipe::lora, "sft with LoRA adapters on the chosen projections, base weights frozen; checkpoints carry the "
@@ -380,6 +383,14 @@ int main(int argc, char** argv) {
   validate_cmd->add_option("config", validate_config, "The YAML run config")->required();
   validate_cmd->add_option("overrides", validate_overrides, "key.path=value overrides, as for troupe run");
 
+  std::string worker_connect, worker_role = "generator";
+  double worker_timeout_s = 60;
+  auto* worker_cmd = app.add_subcommand("worker", "Join a running troupe run as one of its actors (a generator), from any machine");
+  worker_cmd->add_option("--connect", worker_connect, "HOST:PORT the run's controller listens on")->required();
+  worker_cmd->add_option("--role", worker_role, "What to run: generator")->capture_default_str();
+  worker_cmd->add_option("--timeout", worker_timeout_s, "Seconds to keep trying to reach the controller")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+
   auto* ls_cmd = app.add_subcommand("ls", "List the recipes and the configs in ./configs/ (recipe and summary of each)");
 
   CLI11_PARSE(app, argc, argv);
@@ -389,6 +400,13 @@ int main(int argc, char** argv) {
     if (*serve_cmd) return serve(srv);
     if (*run_cmd) return run_from_config(run_config_path, run_overrides);
     if (*ls_cmd) return run_ls();
+    if (*worker_cmd) {
+      auto colon = worker_connect.rfind(':');
+      int port = colon == std::string::npos ? -1 : std::atoi(worker_connect.c_str() + colon + 1);
+      if (colon == std::string::npos || colon == 0 || port <= 0 || port > 65535)
+        throw Error("--connect " + worker_connect + ": expected HOST:PORT, e.g. 10.0.0.5:4242");
+      return run_worker(worker_connect.substr(0, colon), static_cast<uint16_t>(port), worker_role, worker_timeout_s);
+    }
     if (*validate_cmd) {
       auto config = load_run_config(validate_config, validate_overrides);
       validate_paths(config);

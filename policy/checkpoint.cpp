@@ -193,6 +193,30 @@ LoadedModel load_model(const fs::path& path, const LoadOptions& options) {
   return m;
 }
 
+int64_t write_safetensors(const fs::path& file, const std::map<std::string, torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> keep;  // owns contiguous CPU copies while the writer reads them
+  std::vector<safetensors::TensorRef> refs;
+  int64_t bytes = 0;
+  for (const auto& [name, tensor] : tensors) {
+    auto t = tensor.detach().cpu().contiguous();
+    keep.push_back(t);
+    refs.push_back({name, file_dtype(t.scalar_type()), t.sizes().vec(), t.data_ptr(), t.nbytes()});
+    bytes += t.nbytes();
+  }
+  safetensors::write_file(file, refs);
+  return bytes;
+}
+
+std::map<std::string, torch::Tensor> read_safetensors_file(const fs::path& file) {
+  std::map<std::string, torch::Tensor> out;
+  auto f = safetensors::File::open(file);
+  for (const auto& view : f->tensors()) {
+    auto t = torch::from_blob(const_cast<std::byte*>(view.data), view.shape, torch_dtype(view.dtype, view.name));
+    out[view.name] = t.clone();
+  }
+  return out;
+}
+
 void save_hf_dir(const LoadedModel& m, const fs::path& dir, const SaveOptions& options) {
   fs::create_directories(dir);
   auto config = m.config.to_json();

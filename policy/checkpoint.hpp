@@ -43,6 +43,9 @@ LoadedModel load_model(const std::filesystem::path& path, const LoadOptions& opt
 void load_weights(TransformerImpl& model, const std::map<std::string, torch::Tensor>& weights,
                   const std::string& origin);
 std::map<std::string, torch::Tensor> read_safetensors(const safetensors::Checkpoint& checkpoint);
+// One .safetensors file of named tensors, each in its own dtype; returns the data bytes written.
+int64_t write_safetensors(const std::filesystem::path& file, const std::map<std::string, torch::Tensor>& tensors);
+std::map<std::string, torch::Tensor> read_safetensors_file(const std::filesystem::path& file);
 
 struct SaveOptions {
   torch::Dtype dtype = torch::kFloat32;  // float32, bfloat16 or float16 on disk

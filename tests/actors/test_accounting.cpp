@@ -50,6 +50,7 @@ Run run(std::shared_ptr<CombinedReward> reward, std::function<Mode(int64_t)> mod
   GraphSpec spec;
   spec.make_policy = [] { return load_model(test::fixtures() / "hf_models" / "llama3", {.tokenizer = false}).model; };
   spec.tokenizer = tokenizer;
+  spec.tokenizer_path = test::data() / "tokenizers" / "qwen3";
   spec.next_prompts = [tokenizer, counts, handed, mode_of](int64_t n) {
     std::vector<PromptItem> out;
     for (int64_t i = 0; i < n; ++i) {

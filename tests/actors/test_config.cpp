@@ -185,7 +185,7 @@ TEST_CASE("each kind of bad input names file, line and key") {
   CHECK(error_of(with_line(3, "  pth: models/m.gguf")) == "configs/x.yaml:3: model.pth: unknown key (did you mean path?)");
   CHECK(error_of(kBase + "optimiser: {}\n") ==
         "configs/x.yaml:15: optimiser: unknown key (expected one of: recipe, resume, model, lora, data, generator, rewards, reference, "
-        "trainer, async, parallel, run)");
+        "trainer, async, parallel, cluster, run)");
   // Wrong types.
   CHECK(error_of(with_line(7, "  group_size: eight")) ==
         "configs/x.yaml:7: generator.group_size: expected an integer, got \"eight\"");
@@ -224,11 +224,11 @@ TEST_CASE("each kind of bad input names file, line and key") {
         "configs/x.yaml:2: model.path: required: the model to train: a Hugging Face folder or a .gguf file");
   CHECK(error_of(with_line(10, "  - {kind: math_answer}")) ==
         "configs/x.yaml:10: rewards.0.name: required: a unique name (metrics report reward/<name>/mean)");
-  CHECK(error_of(with_line(1, "# no recipe")) == "configs/x.yaml:2: recipe: required: one of grpo, sft, lora, dpo, ppo, online_dpo");
+  CHECK(error_of(with_line(1, "# no recipe")) == "configs/x.yaml:2: recipe: required: one of grpo, sft, lora, dpo, ppo, online_dpo, reinforce");
   CHECK(error_of(with_line(10, "  []")).find("configs/x.yaml:9: rewards: required: at least one reward") == 0);
   // Wrong names.
   CHECK(error_of(with_line(1, "recipe: grpo2")) ==
-        "configs/x.yaml:1: recipe: expected one of grpo, sft, lora, dpo, ppo, online_dpo, got \"grpo2\" (did you mean grpo?)");
+        "configs/x.yaml:1: recipe: expected one of grpo, sft, lora, dpo, ppo, online_dpo, reinforce, got \"grpo2\" (did you mean grpo?)");
   CHECK(error_of(with_line(3, "  path: m\n  dtype: fp16")) ==
         "configs/x.yaml:4: model.dtype: expected one of auto, float32, bfloat16, float64, got \"fp16\"");
   CHECK(error_of(with_line(10, "  - {name: c, kind: math_anser}")) ==

@@ -56,6 +56,7 @@ GraphResult run(int64_t eta, const std::map<std::string, torch::Tensor>& start, 
     return m.model;
   };
   spec.tokenizer = task.tokenizer;
+  spec.tokenizer_path = test::data() / "tokenizers" / "qwen3";
   spec.next_prompts = [&task, rng](int64_t n) {
     std::vector<PromptItem> out;
     for (int64_t i = 0; i < n; ++i) {

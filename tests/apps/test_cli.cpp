@@ -164,11 +164,11 @@ std::string recipe_in_file(const fs::path& path) {
 
 }  // namespace
 
-TEST_CASE("ls lists the six recipes and every file in configs/ with its recipe") {
+TEST_CASE("ls lists the seven recipes and every file in configs/ with its recipe") {
   auto r = run_ls_in(troupe::test::source());
   INFO(r.out);
   CHECK(r.status == 0);
-  for (const char* recipe : {"grpo", "ppo", "online_dpo", "sft", "lora", "dpo"}) {
+  for (const char* recipe : {"grpo", "ppo", "online_dpo", "reinforce", "sft", "lora", "dpo"}) {
     CAPTURE(recipe);
     auto line = joined(words_of_line(r.out, recipe));
     CAPTURE(line);

@@ -1,0 +1,254 @@
+#include "actors/generator_actor.hpp"
+
+#include <deque>
+#include <map>
+#include <variant>
+
+#include <torch/torch.h>
+
+#include "actors/actor_util.hpp"
+#include "actors/weight_plane.hpp"
+#include "policy/checkpoint.hpp"
+#include "policy/dtype.hpp"
+#include "policy/error.hpp"
+#include "policy/seed.hpp"
+
+namespace troupe {
+
+using namespace caf;
+
+nlohmann::json to_json(const GeneratorSpec& s) {
+  const auto& p = s.sampling;
+  return {{"model", s.model}, {"tokenizer", s.tokenizer}, {"dtype", s.dtype}, {"device", s.device},
+          {"engine", {{"max_batch", s.engine.max_batch}, {"max_seq_len", s.engine.max_seq_len},
+                      {"restart_on_weight_update", s.engine.restart_on_weight_update}, {"seed", s.engine.seed}}},
+          {"sampling", {{"n", p.n}, {"temperature", p.temperature}, {"top_p", p.top_p}, {"top_k", p.top_k},
+                        {"min_p", p.min_p}, {"max_tokens", p.max_tokens}, {"stop_token_ids", p.stop_token_ids},
+                        {"stop", p.stop}, {"include_stop_str_in_output", p.include_stop_str_in_output},
+                        {"ignore_eos", p.ignore_eos}}},
+          {"seed", s.seed}, {"deterministic", s.deterministic}, {"threads", s.threads}};
+}
+
+GeneratorSpec generator_spec_from_json(const nlohmann::json& j) {
+  GeneratorSpec s;
+  try {
+    j.at("model").get_to(s.model);
+    j.at("tokenizer").get_to(s.tokenizer);
+    j.at("dtype").get_to(s.dtype);
+    j.at("device").get_to(s.device);
+    const auto& e = j.at("engine");
+    e.at("max_batch").get_to(s.engine.max_batch);
+    e.at("max_seq_len").get_to(s.engine.max_seq_len);
+    e.at("restart_on_weight_update").get_to(s.engine.restart_on_weight_update);
+    e.at("seed").get_to(s.engine.seed);
+    const auto& p = j.at("sampling");
+    p.at("n").get_to(s.sampling.n);
+    p.at("temperature").get_to(s.sampling.temperature);
+    p.at("top_p").get_to(s.sampling.top_p);
+    p.at("top_k").get_to(s.sampling.top_k);
+    p.at("min_p").get_to(s.sampling.min_p);
+    p.at("max_tokens").get_to(s.sampling.max_tokens);
+    p.at("stop_token_ids").get_to(s.sampling.stop_token_ids);
+    p.at("stop").get_to(s.sampling.stop);
+    p.at("include_stop_str_in_output").get_to(s.sampling.include_stop_str_in_output);
+    p.at("ignore_eos").get_to(s.sampling.ignore_eos);
+    j.at("seed").get_to(s.seed);
+    j.at("deterministic").get_to(s.deterministic);
+    j.at("threads").get_to(s.threads);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(std::string("generator spec: ") + e.what());
+  }
+  return s;
+}
+
+namespace {
+
+struct Pending {
+  PromptItem prompt;
+  std::vector<Completion> completions;
+  int64_t done = 0;
+};
+
+RolloutGroup make_group(Pending& p) {
+  RolloutGroup g;
+  g.prompt_id = p.prompt.id;
+  g.batch = p.prompt.batch;
+  g.prompt_ids = p.prompt.ids;
+  g.metadata = p.prompt.metadata;
+  g.ticket = p.prompt.ticket;
+  for (auto& c : p.completions) {
+    g.completion_ids.push_back(std::move(c.ids));
+    g.behaviour_logprobs.push_back(std::move(c.logprobs));
+    g.min_version.push_back(c.min_version);
+    g.max_version.push_back(c.max_version);
+    g.truncated.push_back(c.finish_reason == FinishReason::length);
+  }
+  return g;
+}
+
+struct GeneratorState {
+  GeneratorSpec spec;
+  rollout_sink next;
+  controller_actor controller;
+  int64_t index = 0;
+  std::unique_ptr<Engine> engine;
+  std::map<uint64_t, Pending> pending;  // engine request id -> the prompt and its finished samples
+  bool stepping = false;
+  // Deterministic mode: what arrived while the engine was busy, applied in arrival order once
+  // it is idle, so each batch meets exactly the weights sent before it.
+  std::deque<std::variant<PromptBatch, WeightsReady>> deferred;
+};
+
+using Self = generator_actor::stateful_pointer<GeneratorState>;
+
+void kick(Self self) {
+  if (self->state.stepping) return;
+  self->state.stepping = true;
+  self->send(self, step_atom::value);
+}
+
+// Each prompt's samples come from its own seed, so they depend on the run's seed and the
+// prompt's ticket, not on which generator drew it or what was batched alongside.
+void admit(Self self, PromptBatch& batch) {
+  auto& st = self->state;
+  for (auto& p : batch.prompts) {
+    SamplingParams params = st.spec.sampling;
+    params.seed = mix_seed(st.spec.seed, static_cast<uint64_t>(p.ticket));
+    auto id = st.engine->add_request(p.ids, params);
+    st.pending.emplace(id, Pending{std::move(p), std::vector<Completion>(st.spec.sampling.n), 0});
+  }
+  kick(self);
+}
+
+void load(Self self, const WeightsReady& notice) {
+  auto start = std::chrono::steady_clock::now();
+  self->state.engine->update_weights(read_weights(notice), notice.version);
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  self->send(self->state.controller, WeightsLoaded{self->state.index, notice.version, s});
+}
+
+bool busy(Self self) {
+  auto& st = self->state;
+  return st.spec.deterministic && (st.engine->has_work() || !st.deferred.empty());
+}
+
+// Deterministic mode, once idle: weights and prompts in arrival order, up to the next batch.
+void drain(Self self) {
+  auto& st = self->state;
+  while (!st.deferred.empty() && !st.engine->has_work()) {
+    auto item = std::move(st.deferred.front());
+    st.deferred.pop_front();
+    if (auto* notice = std::get_if<WeightsReady>(&item)) {
+      load(self, *notice);
+    } else {
+      admit(self, std::get<PromptBatch>(item));
+    }
+  }
+}
+
+// One decode step for every running sequence; steps go through the mailbox, so weight notices
+// are handled between decode steps.
+void step(Self self) {
+  auto& st = self->state;
+  for (auto& c : st.engine->step()) {
+    auto it = st.pending.find(c.request_id);
+    if (it == st.pending.end()) continue;
+    if (c.finish_reason == FinishReason::abort) throw Error("a generation was aborted");
+    it->second.completions[c.index] = std::move(c);
+    if (++it->second.done == st.spec.sampling.n) {
+      self->send(st.next, make_group(it->second));
+      st.pending.erase(it);
+    }
+  }
+  if (!st.engine->has_work()) drain(self);
+  if (st.engine->has_work()) {
+    self->send(self, step_atom::value);
+  } else {
+    st.stepping = false;
+  }
+}
+
+generator_actor::behavior_type generator(Self self, GeneratorSpec spec, rollout_sink next, controller_actor controller,
+                                         int64_t index) {
+  name_failures(self, "generator " + std::to_string(index));
+  use_threads(spec.threads);
+  auto& st = self->state;
+  const torch::Device device(spec.device);
+  auto model = load_model(spec.model, {.dtype = choose_dtype(spec.dtype, device, "generator dtype").dtype,
+                                       .device = device, .tokenizer = false});
+  std::optional<Tokenizer> tokenizer;
+  if (!spec.tokenizer.empty()) tokenizer = Tokenizer::load(spec.tokenizer);
+  st.engine = std::make_unique<Engine>(model.model, std::move(tokenizer), spec.engine);
+  st.spec = std::move(spec);
+  st.next = std::move(next);
+  st.controller = std::move(controller);
+  st.index = index;
+  return {
+      [=](step_atom) { step(self); },
+      [=](PromptBatch& batch) {
+        if (busy(self)) {
+          self->state.deferred.emplace_back(std::move(batch));
+        } else {
+          admit(self, batch);
+        }
+      },
+      [=](const WeightsReady& notice) {
+        if (busy(self)) {
+          self->state.deferred.emplace_back(notice);
+        } else {
+          load(self, notice);
+        }
+      },
+  };
+}
+
+struct RemoteState {
+  RemoteGeneratorSpec spec;
+  std::unique_ptr<RemoteEngine> engine;
+};
+
+generator_actor::behavior_type remote_generator(generator_actor::stateful_pointer<RemoteState> self, RemoteGeneratorSpec spec,
+                                                rollout_sink next, controller_actor controller, int64_t index) {
+  name_failures(self, "generator " + std::to_string(index));
+  self->state.engine = std::make_unique<RemoteEngine>(spec.url, spec.options, spec.tokenizer);
+  self->state.engine->wait_healthy(spec.options.connect_timeout_s);
+  self->state.spec = std::move(spec);
+  return {
+      [=](step_atom) {},
+      [=](PromptBatch& batch) {
+        const auto& sampling = self->state.spec.sampling;
+        std::vector<std::vector<int32_t>> prompts;
+        for (const auto& p : batch.prompts) prompts.push_back(p.ids);
+        auto completions = self->state.engine->generate(prompts, sampling);
+        std::vector<Pending> pending;
+        for (auto& p : batch.prompts) pending.push_back({std::move(p), std::vector<Completion>(sampling.n), 0});
+        for (auto& c : completions) pending.at(c.request_id).completions.at(c.index) = std::move(c);
+        for (auto& p : pending) self->send(next, make_group(p));
+      },
+      // The server loaded its model from its own files; the run starts from the trainer's
+      // weights (which may differ, e.g. after an SFT warm-up), so version 0 arrives first too.
+      [=](const WeightsReady& notice) {
+        auto start = std::chrono::steady_clock::now();
+        auto dir = std::filesystem::absolute(std::filesystem::path(self->state.spec.weights_dir) /
+                                             ("generator_" + std::to_string(index)));
+        std::filesystem::create_directories(dir);
+        self->state.engine->update_weights(read_weights(notice), notice.version, dir);
+        double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        self->send(controller, WeightsLoaded{index, notice.version, s});
+      },
+  };
+}
+
+}  // namespace
+
+generator_actor spawn_generator(actor_system& system, GeneratorSpec spec, rollout_sink next, controller_actor controller,
+                                int64_t index) {
+  return system.spawn<detached>(generator, std::move(spec), std::move(next), std::move(controller), index);
+}
+
+generator_actor spawn_remote_generator(actor_system& system, RemoteGeneratorSpec spec, rollout_sink next,
+                                       controller_actor controller, int64_t index) {
+  return system.spawn<detached>(remote_generator, std::move(spec), std::move(next), std::move(controller), index);
+}
+
+}  // namespace troupe

@@ -1,0 +1,51 @@
+// An RL run's checkpoint: the weights (merged, plus the PEFT adapter with LoRA), the recipe's
+// state (optimizer, PPO's value head), LibTorch's RNG, and the rollout groups that were
+// buffered or in flight, so a resumed run trains exactly what the interrupted one would have.
+// trainer_state.json (actors/trainer_state.hpp) comes last, once those groups are all in.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "trainer/rollout.hpp"
+
+namespace troupe {
+
+struct GraphSpec;
+class RlRecipe;
+
+// Batches released before step `step` reported and not trained by then: [step, end). With
+// sync_every k the controller keeps eta - k + 2 batches out (see the credits there).
+int64_t outstanding_end(const GraphSpec& spec, int64_t step);
+
+nlohmann::json to_json(const RolloutGroup& g);
+RolloutGroup group_from_json(const nlohmann::json& j);  // throws on a missing or inconsistent field
+
+// Checkpoints whose weights are written but whose outstanding rollouts are still arriving.
+class PendingCheckpoints {
+ public:
+  explicit PendingCheckpoints(const GraphSpec& spec) : spec_(spec) {}
+  // Writes what can be written now and waits for batches [step, outstanding_end) from `buffer`
+  // and from later arrivals.
+  void start(RlRecipe& recipe, int64_t step, int64_t policy_version,
+             const std::map<int64_t, std::vector<RolloutGroup>>& buffer);
+  // A group that arrived; finishes every checkpoint that now has all its groups.
+  void add(const RolloutGroup& g);
+
+ private:
+  struct Pending {
+    std::filesystem::path dir;
+    int64_t step = 0, policy_version = 0;
+    int64_t begin = 0, end = 0;
+    std::vector<RolloutGroup> groups;
+  };
+  void finish_complete();
+  const GraphSpec& spec_;
+  std::vector<Pending> pending_;
+};
+
+}  // namespace troupe

@@ -1,0 +1,49 @@
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "actors/actor_util.hpp"
+#include "actors/stage_actors.hpp"
+
+namespace troupe {
+
+namespace {
+
+// Scores every completion of a group. A reward that throws (a plugin's bug, a reward service
+// that is down, slow past its retries or answering garbage) fails this group only: it travels
+// on marked failed, so the trainer counts it against its batch and the run goes on.
+void score(const CombinedReward& reward, const std::optional<Tokenizer>& tokenizer, RolloutGroup& g) {
+  auto metadata = nlohmann::json::parse(g.metadata, nullptr, /*allow_exceptions=*/false);
+  if (metadata.is_discarded()) metadata = nullptr;
+  std::string prompt = tokenizer ? tokenizer->decode(g.prompt_ids) : "";
+  std::vector<RewardSample> samples;
+  for (const auto& ids : g.completion_ids)
+    samples.push_back({prompt, tokenizer ? tokenizer->decode(ids, /*skip_special_tokens=*/true) : "", metadata});
+  try {
+    auto scores = reward.score_all(samples);
+    g.reward = std::move(scores.total);
+    for (auto& c : scores.components) g.rewards[c.name] = std::move(c.scores);
+  } catch (const std::exception& e) {
+    g.error = std::string("reward: ") + e.what();
+    std::cerr << "troupe: prompt " << g.prompt_id << " (batch " << g.batch << ") failed, not trained on: " << g.error
+              << std::endl;
+  }
+}
+
+rollout_sink::behavior_type reward_stage(rollout_sink::pointer self, std::shared_ptr<const CombinedReward> reward,
+                                         std::optional<Tokenizer> tokenizer, rollout_sink next) {
+  name_failures(self, "reward");
+  return {[=](RolloutGroup& g) {
+    score(*reward, tokenizer, g);
+    self->send(next, std::move(g));
+  }};
+}
+
+}  // namespace
+
+rollout_sink spawn_reward(caf::actor_system& system, std::shared_ptr<const CombinedReward> reward,
+                          std::optional<Tokenizer> tokenizer, rollout_sink next) {
+  return system.spawn<caf::detached>(reward_stage, std::move(reward), std::move(tokenizer), std::move(next));
+}
+
+}  // namespace troupe

@@ -1,0 +1,31 @@
+// The graph's stages between generators and trainer, each in its own file: the data actor hands
+// out prompts, the reward actor scores groups, the reference actor adds log pi_ref. Each forwards
+// a group to the next sink; a failure inside a reward fails that group only (it travels on,
+// marked, and the trainer reports it), any other exception ends the actor with its name.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "actors/protocol.hpp"
+#include "policy/tokenizer.hpp"
+#include "policy/transformer.hpp"
+#include "reward/registry.hpp"
+
+namespace troupe {
+
+// Answers (next, n, batch) with batch `batch`'s n prompts, numbered with tickets batch * n + i.
+using PromptSourceFn = std::function<std::vector<PromptItem>(int64_t n)>;
+data_actor spawn_data(caf::actor_system& system, PromptSourceFn next_prompts);
+
+rollout_sink spawn_reward(caf::actor_system& system, std::shared_ptr<const CombinedReward> reward,
+                          std::optional<Tokenizer> tokenizer, rollout_sink next);
+
+// `model` is the reference policy (the starting one); `threads` its intra-op threads.
+rollout_sink spawn_reference(caf::actor_system& system, Transformer model, int64_t threads, int64_t logprob_chunk,
+                             rollout_sink next);
+
+}  // namespace troupe

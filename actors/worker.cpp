@@ -1,0 +1,146 @@
+#include "actors/worker.hpp"
+
+#include <chrono>
+#include <csignal>
+#include <iostream>
+#include <thread>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <caf/io/all.hpp>
+
+#include "actors/generator_actor.hpp"
+#include "actors/protocol.hpp"
+#include "policy/error.hpp"
+
+extern char** environ;
+
+namespace troupe {
+
+using namespace caf;
+
+std::string app_identifier() {
+#ifdef TROUPE_VERSION
+  std::string version = TROUPE_VERSION;
+#else
+  std::string version = "dev";
+#endif
+  // TROUPE_APP_ID lets a test play a worker of another build.
+  if (const char* other = std::getenv("TROUPE_APP_ID")) return other;
+  return "troupe-" + version + "-graph-protocol-1";
+}
+
+namespace {
+
+// Asks the controller what to build, builds it, joins, and waits until the generator or the
+// controller goes down. Returns the exit status.
+int serve_generator(actor_system& system, controller_actor controller, double timeout_s) {
+  scoped_actor self{system};
+  int64_t index = -1;
+  std::string spec_json;
+  rollout_sink sink;
+  std::string failure;
+  self->request(controller, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)), join_atom::value)
+      .receive([&](int64_t i, std::string& s, rollout_sink& next) { index = i, spec_json = std::move(s), sink = std::move(next); },
+               [&](error& e) { failure = system.render(e); });
+  if (!failure.empty()) {
+    std::cerr << "troupe worker: the controller refused to add a generator: " << failure << std::endl;
+    return 1;
+  }
+  auto spec = generator_spec_from_json(nlohmann::json::parse(spec_json));
+  auto generator = spawn_generator(system, std::move(spec), sink, controller, index);
+  self->monitor(generator);
+  self->monitor(controller);
+  self->send(controller, join_atom::value, index, generator);
+  std::cout << "troupe worker: generator " << index << " joined" << std::endl;
+  int status = 0;
+  bool done = false;
+  while (!done) {
+    self->receive([&](down_msg& dm) {
+      if (dm.source == generator.address()) {
+        // The controller ends the run by stopping its generators: that is a clean exit.
+        if (dm.reason && dm.reason != exit_reason::user_shutdown) {
+          std::cerr << "troupe worker: generator " << index << " failed: " << reason_text(dm.reason) << std::endl;
+          status = 1;
+        }
+        done = true;
+      } else {
+        std::cerr << "troupe worker: the controller went away (" << (dm.reason ? system.render(dm.reason) : "normal exit")
+                  << "); stopping generator " << index << std::endl;
+        self->send_exit(generator, exit_reason::user_shutdown);
+      }
+    });
+  }
+  return status;
+}
+
+}  // namespace
+
+int run_worker(const std::string& host, uint16_t port, const std::string& role, double timeout_s) {
+  if (role != "generator") {
+    std::cerr << "troupe worker: --role " << role << ": unknown role (known: generator)" << std::endl;
+    return 2;
+  }
+  actor_system_config config;
+  add_message_types(config);
+  config.load<io::middleman>();
+  actor_system system{config};
+  // The controller may still be starting: retry until the deadline.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  expected<controller_actor> controller = sec::cannot_connect_to_node;
+  while (true) {
+    controller = system.middleman().remote_actor<controller_actor>(host, port);
+    if (controller || controller.error() == sec::incompatible_application_ids ||
+        controller.error() == sec::unexpected_actor_messaging_interface || std::chrono::steady_clock::now() > deadline)
+      break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  if (!controller) {
+    std::string why = system.render(controller.error());
+    if (controller.error() == sec::incompatible_application_ids)
+      why = "it is another troupe build (this worker is " + app_identifier() + "; both ends must run the same build)";
+    else if (controller.error() == sec::unexpected_actor_messaging_interface)
+      why = "it speaks another version of troupe's actor protocol (another troupe build)";
+    std::cerr << "troupe worker: cannot join the run at " << host << ":" << port << ": " << why << std::endl;
+    return 1;
+  }
+  try {
+    return serve_generator(system, *controller, timeout_s);
+  } catch (const std::exception& e) {
+    std::cerr << "troupe worker: " << e.what() << std::endl;
+    return 1;
+  }
+}
+
+WorkerProcesses::WorkerProcesses(std::filesystem::path program, const std::string& host, uint16_t port, int64_t n) {
+  if (program.empty()) program = std::filesystem::read_symlink("/proc/self/exe");
+  const std::string where = host + ":" + std::to_string(port);
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<std::string> args = {program.string(), "worker", "--connect", where, "--role", "generator"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    if (int rc = posix_spawn(&pid, program.c_str(), nullptr, nullptr, argv.data(), environ); rc != 0)
+      throw Error("cannot start a generator worker (" + program.string() + "): " + std::strerror(rc));
+    pids_.push_back(pid);
+  }
+}
+
+WorkerProcesses::~WorkerProcesses() {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (pid_t pid : pids_) {
+    while (waitpid(pid, nullptr, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ::kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+}
+
+}  // namespace troupe

@@ -1,0 +1,37 @@
+// Worker processes: `troupe worker --connect HOST:PORT --role generator` joins a run's
+// controller over CAF's network layer, builds the generator the controller describes, and runs
+// it until the run ends (or the controller's process goes away). A run with
+// cluster.generator_processes = N starts N of them on this host itself.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <sys/types.h>
+
+namespace troupe {
+
+// The name both ends present at CAF's handshake: a build of another protocol is refused there.
+std::string app_identifier();
+
+// The body of `troupe worker`; returns the process's exit status. Every wait is bounded by
+// `timeout_s` (connecting, and the controller's answer), and every failure is one line on stderr.
+int run_worker(const std::string& host, uint16_t port, const std::string& role, double timeout_s);
+
+// N `troupe worker` processes of `program` (empty: this executable) connecting to host:port.
+// The destructor waits for them to exit after the run (up to 10 s each), then kills what is left.
+class WorkerProcesses {
+ public:
+  WorkerProcesses(std::filesystem::path program, const std::string& host, uint16_t port, int64_t n);
+  ~WorkerProcesses();
+  WorkerProcesses(const WorkerProcesses&) = delete;
+  WorkerProcesses& operator=(const WorkerProcesses&) = delete;
+  const std::vector<pid_t>& pids() const { return pids_; }
+
+ private:
+  std::vector<pid_t> pids_;
+};
+
+}  // namespace troupe
