@@ -612,12 +612,14 @@ void parse_parallel(Map m, ParallelSection& c) {
 }
 
 void parse_cluster(Map m, ClusterSection& c) {
-  m.allow({"generator_processes", "join_timeout_s"});
+  m.allow({"generator_processes", "join_timeout_s", "restarts"});
   m.get("generator_processes", c.generator_processes);
   m.check(c.generator_processes >= 0, "generator_processes",
           "must be >= 0 (0: generators in the run's own process)" + got(c.generator_processes));
   m.get("join_timeout_s", c.join_timeout_s);
   m.check(c.join_timeout_s > 0, "join_timeout_s", "must be > 0" + got(c.join_timeout_s));
+  m.get("restarts", c.restarts);
+  m.check(c.restarts >= 0, "restarts", "must be >= 0 (0: a worker that dies is not replaced)" + got(c.restarts));
 }
 
 void parse_run(Map m, RunSection& c, const std::string& stem) {
@@ -994,6 +996,7 @@ std::string to_yaml(const RunConfig& c) {
   w.line(0, "cluster", "");
   w.line(2, "generator_processes", fmt(c.cluster.generator_processes));
   w.line(2, "join_timeout_s", fmt(c.cluster.join_timeout_s));
+  w.line(2, "restarts", fmt(c.cluster.restarts));
   w.line(0, "parallel", "");
   w.line(2, "trainer_ranks", fmt(c.parallel.trainer_ranks));
   w.line(2, "sharding", name_of(c.parallel.sharding));

@@ -192,7 +192,9 @@ struct ParallelSection {
 struct ClusterSection {
   int64_t generator_processes = 0;  // >0: that many worker processes on this host, one generator each
                                     // (generator.count then follows it); 0: generators in this process
-  double join_timeout_s = 120;      // workers that have not joined by then fail the run
+  double join_timeout_s = 120;      // workers not joined by then (at the start, or after the last one
+                                    // went away) fail the run
+  int64_t restarts = 3;             // replacement worker processes for ones that die, in all
   bool operator==(const ClusterSection&) const = default;
 };
 

@@ -8,6 +8,7 @@
 #include <iostream>
 
 #include "actors/actor_util.hpp"
+#include "actors/generator_pool.hpp"
 #include "actors/stage_actors.hpp"
 #include "actors/trainer_actor.hpp"
 #include "actors/weight_plane.hpp"
@@ -18,26 +19,23 @@ using namespace caf;
 
 namespace {
 
-struct Generator {
-  generator_actor handle;
-  int64_t loaded = -1;  // the newest version it has loaded
-};
-
 struct ControllerState {
   const GraphSpec* spec = nullptr;
   actor waiter;
   data_actor data;
-  rollout_sink sink;                 // where generators send groups: the reward actor
-  std::vector<Generator> generators;  // by index
-  int64_t expected_generators = 0;
-  std::vector<actor> all;            // every actor to stop at the end
+  rollout_sink sink;   // where generators send groups: the reward actor
+  GeneratorPool pool;
+  int64_t expected_generators = 0;  // live before the first credits go out
+  std::vector<actor> all;           // every actor to stop at the end
   int64_t issued_batches = 0;
   bool started = false, shutting_down = false;
   std::map<int64_t, WeightsReady> notices;  // versions on the weight plane, newest last
   double load_s = 0;                         // slowest generator load since the last report
   RunSummary summary;
   std::ofstream metrics;
-  std::chrono::steady_clock::time_point began = std::chrono::steady_clock::now();
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point began = Clock::now();
+  Clock::time_point none_live_since = Clock::now();  // when the last generator went away
 };
 
 using Self = controller_actor::stateful_pointer<ControllerState>;
@@ -48,10 +46,14 @@ void finish(Self self, std::string error) {
   st.shutting_down = true;
   if (st.summary.error.empty()) st.summary.error = std::move(error);
   for (const auto& a : st.all) self->send_exit(a, exit_reason::user_shutdown);
-  for (const auto& g : st.generators)
+  for (const auto& g : st.pool.slots())
     if (g.handle) self->send_exit(g.handle, exit_reason::user_shutdown);
   anon_send(st.waiter, std::move(st.summary));
   self->quit();
+}
+
+void send_all(Self self, GeneratorPool::Sends sends) {
+  for (auto& [g, batch] : sends) self->send(g, std::move(batch));
 }
 
 // Batch k goes out once step k - eta - 1 has reported, so at most (eta + 1) batches are in
@@ -62,24 +64,18 @@ void release(Self self) {
   const int64_t k = st.issued_batches++;
   self->request(st.data, infinite, next_atom::value, st.spec->batch_groups, k).then([=](PromptBatch& batch) {
     auto& st = self->state;
-    // Spread the batch over the generators by ticket, so each one's share does not depend on
-    // how many batches came before (a resumed run splits as the original did).
-    std::vector<PromptBatch> parts(st.generators.size());
-    for (auto& p : batch.prompts) {
-      st.summary.issued.push_back(p.ticket);
-      parts[p.ticket % parts.size()].prompts.push_back(std::move(p));
-    }
-    for (size_t g = 0; g < parts.size(); ++g)
-      if (!parts[g].prompts.empty()) self->send(st.generators[g].handle, std::move(parts[g]));
+    for (const auto& p : batch.prompts) st.summary.issued.push_back(p.ticket);
+    // Spread over the generators by ticket, so each one's share does not depend on how many
+    // batches came before (a resumed run splits as the original did).
+    send_all(self, st.pool.assign(std::move(batch.prompts)));
   });
 }
 
-// Once every generator is there and holds the starting weights' notice, the first credits go out.
+// Once the generators asked for are there, the first credits go out (each generator has been
+// sent the newest weights' notice when it joined, so its prompts meet them).
 void start_when_ready(Self self) {
   auto& st = self->state;
-  if (st.started || st.notices.empty() || static_cast<int64_t>(st.generators.size()) < st.expected_generators) return;
-  for (const auto& g : st.generators)
-    if (!g.handle) return;
+  if (st.started || st.notices.empty() || st.pool.live() < st.expected_generators) return;
   st.started = true;
   // Resuming after step s, batches [s, first_new_batch) come from the checkpoint; what step s's
   // report released comes next, generated anew by the checkpoint's weights.
@@ -89,24 +85,44 @@ void start_when_ready(Self self) {
   while (st.issued_batches < std::min(spec->steps, start + spec->max_staleness - spec->sync_every + 2)) release(self);
 }
 
-// A version every generator has loaded something newer than can go (the newest always stays,
-// for a generator that joins later).
+// A version every live generator has loaded something newer than can go (the newest always
+// stays, for a generator that joins later).
 void free_unneeded(ControllerState& st) {
-  int64_t oldest_loaded = std::numeric_limits<int64_t>::max();
-  for (const auto& g : st.generators) oldest_loaded = std::min(oldest_loaded, g.loaded);
+  const int64_t oldest_loaded = st.pool.oldest_loaded();
   while (st.notices.size() > 1 && st.notices.begin()->first < oldest_loaded) {
     free_weights(st.notices.begin()->second);
     st.notices.erase(st.notices.begin());
   }
 }
 
-void add_generator(Self self, int64_t index, generator_actor g) {
+// A generator takes the newest weights before any prompt, then whatever waited for one.
+void add_generator(Self self, int64_t index, generator_actor g, bool remote) {
   auto& st = self->state;
-  if (index >= static_cast<int64_t>(st.generators.size())) st.generators.resize(index + 1);
-  st.generators[index].handle = g;
+  st.pool.join(index, g, remote);
   self->monitor(g);
-  // A generator takes the newest weights before any prompt.
   if (!st.notices.empty()) self->send(g, st.notices.rbegin()->second);
+  if (st.started) send_all(self, st.pool.take_held());
+}
+
+// A generator in a worker process went away: its prompts go to the others (or wait for one to
+// join); the run fails only if none is back within cluster.join_timeout_s.
+bool lose_generator(Self self, const down_msg& dm) {
+  auto& st = self->state;
+  GeneratorPool::Sends resend;
+  for (size_t i = 0; i < st.pool.slots().size(); ++i) {
+    const auto& s = st.pool.slots()[i];
+    if (!s.live || s.handle.address() != dm.source) continue;
+    if (!s.remote) return false;  // an in-process generator failing is a bug: the run stops
+    const auto held = s.held.size();
+    st.pool.lose(dm.source, resend);
+    std::cerr << "troupe run: generator " << i << " went away (" << (dm.reason ? reason_text(dm.reason) : "normal exit")
+              << "); its " << held << " unfinished prompts go to " << st.pool.live() << " other generators"
+              << (st.pool.live() == 0 ? " once one joins" : "") << std::endl;
+    if (st.pool.live() == 0) st.none_live_since = ControllerState::Clock::now();
+    send_all(self, std::move(resend));
+    return true;
+  }
+  return false;
 }
 
 void report(Self self, const StepReport& r) {
@@ -114,6 +130,8 @@ void report(Self self, const StepReport& r) {
   auto j = nlohmann::json::parse(r.json);
   j["time/weights_load_s"] = st.load_s;
   st.load_s = 0;
+  j["generators/live"] = st.pool.live();
+  j["generators/prompts"] = st.pool.take_handed();
   auto line = j.dump();
   if (st.metrics.is_open()) st.metrics << line << "\n" << std::flush;
   if (!st.spec->quiet) std::cout << progress_line(j, st.spec->steps) << std::endl;
@@ -122,6 +140,8 @@ void report(Self self, const StepReport& r) {
   st.summary.metrics.push_back(std::move(line));
   st.summary.trained.insert(st.summary.trained.end(), r.trained.begin(), r.trained.end());
   st.summary.failed.insert(st.summary.failed.end(), r.failed.begin(), r.failed.end());
+  st.pool.done(r.trained);
+  st.pool.done(r.failed);
 }
 
 // Downstream first, so each actor is spawned knowing where to send.
@@ -152,8 +172,30 @@ void spawn_graph(Self self) {
     } else {
       g = spawn_generator(system, generator_spec(spec), st.sink, self, i);
     }
-    add_generator(self, i, g);
+    add_generator(self, st.pool.reserve(), g, false);
   }
+}
+
+// Every 200 ms: a stop request, and workers that do not come.
+void tick(Self self) {
+  auto& st = self->state;
+  if (st.spec->stop_requested && st.spec->stop_requested->load()) {
+    finish(self, "stopped on request after step " + std::to_string(st.summary.steps));
+    return;
+  }
+  const auto now = ControllerState::Clock::now();
+  const double limit = st.spec->worker_join_timeout_s;
+  if (!st.started && st.spec->generator_processes > 0 && std::chrono::duration<double>(now - st.began).count() > limit) {
+    finish(self, std::to_string(st.pool.live()) + " of " + std::to_string(st.expected_generators) +
+                     " generator workers joined within cluster.join_timeout_s = " + std::to_string(limit) + " s");
+    return;
+  }
+  if (st.started && st.pool.live() == 0 && std::chrono::duration<double>(now - st.none_live_since).count() > limit) {
+    finish(self, "no generator for cluster.join_timeout_s = " + std::to_string(limit) + " s after the last one went away; " +
+                     std::to_string(st.pool.unfinished()) + " prompts unfinished");
+    return;
+  }
+  self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
 }
 
 controller_actor::behavior_type controller(Self self, const GraphSpec* spec, actor waiter) {
@@ -161,7 +203,7 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
   st.spec = spec;
   st.waiter = waiter;
   self->set_down_handler([=](down_msg& dm) {
-    if (self->state.shutting_down) return;
+    if (self->state.shutting_down || lose_generator(self, dm)) return;
     std::string why = dm.reason ? reason_text(dm.reason) : "normal exit";
     finish(self, "an actor stopped unexpectedly: " + why);
   });
@@ -178,14 +220,13 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
       [=](const WeightsReady& notice) {
         auto& st = self->state;
         st.notices[notice.version] = notice;
-        for (const auto& g : st.generators)
-          if (g.handle) self->send(g.handle, notice);
+        for (const auto& g : st.pool.slots())
+          if (g.live) self->send(g.handle, notice);
         start_when_ready(self);
       },
       [=](const WeightsLoaded& loaded) {
         auto& st = self->state;
-        if (loaded.generator < 0 || loaded.generator >= static_cast<int64_t>(st.generators.size())) return;
-        st.generators[loaded.generator].loaded = std::max(st.generators[loaded.generator].loaded, loaded.version);
+        st.pool.loaded(loaded.generator, loaded.version);
         st.load_s = std::max(st.load_s, loaded.load_s);
         free_unneeded(st);
       },
@@ -198,34 +239,19 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
           release(self);
         }
       },
-      [=](tick_atom) {
-        auto& st = self->state;
-        if (st.spec->stop_requested && st.spec->stop_requested->load()) {
-          finish(self, "stopped on request after step " + std::to_string(st.summary.steps));
-          return;
-        }
-        auto waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - st.began).count();
-        if (!st.started && st.spec->generator_processes > 0 && waited > st.spec->worker_join_timeout_s) {
-          finish(self, std::to_string(st.generators.size()) + " of " + std::to_string(st.expected_generators) +
-                           " generator workers joined within cluster.join_timeout_s = " +
-                           std::to_string(st.spec->worker_join_timeout_s) + " s");
-          return;
-        }
-        self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
-      },
+      [=](tick_atom) { tick(self); },
+      // A worker process asks to join, at the start or in the middle of the run (elastic).
       [=](join_atom) -> result<int64_t, std::string, rollout_sink> {
         auto& st = self->state;
-        if (st.started || static_cast<int64_t>(st.generators.size()) >= st.expected_generators)
-          return make_error(sec::runtime_error, "the run has all the generators it asked for");
-        int64_t index = static_cast<int64_t>(st.generators.size());
-        st.generators.emplace_back();  // the slot, filled when the worker's generator joins
-        return {index, to_json(generator_spec(*st.spec)).dump(), st.sink};
+        return {st.pool.reserve(), to_json(generator_spec(*st.spec)).dump(), st.sink};
       },
       [=](join_atom, int64_t index, generator_actor g) {
         auto& st = self->state;
-        if (index < 0 || index >= static_cast<int64_t>(st.generators.size()) || st.generators[index].handle) return;
-        add_generator(self, index, g);
-        std::cout << "troupe run: generator " << index << " joined from another process" << std::endl;
+        if (!st.pool.has(index) || st.pool.at(index).live) return;
+        add_generator(self, index, g, true);
+        std::cout << "troupe run: generator " << index << " joined from another process (" << st.pool.live() << " live";
+        if (!st.notices.empty()) std::cout << ", sent weights v" << st.notices.rbegin()->first;
+        std::cout << ")" << std::endl;
         start_when_ready(self);
       },
   };

@@ -118,7 +118,7 @@ GraphResult run_graph(const GraphSpec& spec) {
         throw Error("run_graph: cannot listen for generator workers on 127.0.0.1: " + system.render(port.error()));
       }
       std::cout << "troupe run: generator workers join at 127.0.0.1:" << *port << std::endl;
-      workers.emplace(spec.worker_program, "127.0.0.1", *port, spec.generator_processes);
+      workers.emplace(spec.worker_program, "127.0.0.1", *port, spec.generator_processes, spec.worker_restarts);
     }
     self->receive([&](RunSummary& s) { summary = std::move(s); });
   }  // workers are waited for (or killed), then the system waits for every actor to finish

@@ -72,7 +72,9 @@ struct GraphSpec {
   // connected over CAF's network layer on loopback): 0 keeps them all in this process.
   int64_t generator_processes = 0;
   std::filesystem::path worker_program;  // the troupe binary to start them with; empty: this one
-  double worker_join_timeout_s = 120;    // a worker that has not joined by then fails the run
+  double worker_join_timeout_s = 120;    // workers not joined by then (at the start, or after the last
+                                         // one went away) fail the run
+  int64_t worker_restarts = 3;           // replacement processes for workers that die, in all
   // Intra-op CPU threads per actor (0: LibTorch's default, every core). Set per thread, so a
   // generator and the trainer can split the cores instead of contending for all of them.
   int64_t generator_threads = 0;

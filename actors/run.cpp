@@ -162,6 +162,7 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
   spec.generators = c.cluster.generator_processes > 0 ? c.cluster.generator_processes : c.generator.count;
   spec.generator_processes = c.cluster.generator_processes;
   spec.worker_join_timeout_s = c.cluster.join_timeout_s;
+  spec.worker_restarts = c.cluster.restarts;
   spec.generator_threads = c.generator.threads;
   spec.trainer_threads = c.trainer.threads;
   if (c.generator.engine == EngineKind::remote) {

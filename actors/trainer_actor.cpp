@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <set>
 
 #include <torch/torch.h>
 
@@ -37,6 +38,10 @@ struct TrainerActorState {
   std::ofstream failures;  // run_dir/failures.jsonl: one line per failed group
   std::map<int64_t, std::vector<RolloutGroup>> buffer;  // credit batch -> its finished groups
   int64_t next_batch = 0;
+  // Every ticket that has arrived: a prompt re-issued after its generator went away may come
+  // back twice (the first copy was already on its way); the second is dropped.
+  std::set<int64_t> arrived;
+  int64_t duplicates = 0;  // dropped since the last step
   Clock::time_point idle_since = Clock::now();
 };
 
@@ -145,6 +150,8 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   j.update(extra);
   j["rollouts/trained"] = groups.size();
   j["rollouts/failed"] = failed.size();
+  j["rollouts/duplicates_dropped"] = st.duplicates;
+  st.duplicates = 0;
   if (sent) {
     j["weights/bytes"] = sent->bytes;
     j["time/weights_write_s"] = sent->write_s;
@@ -181,7 +188,10 @@ void restore(TrainerActorState& st, const GraphResume& r) {
   generator.set_state(rng);
   st.policy_version = r.policy_version;
   st.next_batch = r.step;
-  for (const auto& g : r.groups) st.buffer[g.batch].push_back(g);
+  for (const auto& g : r.groups) {
+    st.buffer[g.batch].push_back(g);
+    st.arrived.insert(g.ticket);
+  }
 }
 
 trainer_actor::behavior_type trainer(Self self, const GraphSpec* spec, controller_actor controller) {
@@ -204,6 +214,10 @@ trainer_actor::behavior_type trainer(Self self, const GraphSpec* spec, controlle
   publish(self);
   train_ready(self);
   return {[=](RolloutGroup& g) {
+    if (!self->state.arrived.insert(g.ticket).second) {
+      ++self->state.duplicates;
+      return;
+    }
     self->state.checkpoints->add(g);
     self->state.buffer[g.batch].push_back(std::move(g));
     train_ready(self);

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstring>
 #include <iostream>
 #include <thread>
 
@@ -54,7 +55,7 @@ int serve_generator(actor_system& system, controller_actor controller, double ti
   self->monitor(generator);
   self->monitor(controller);
   self->send(controller, join_atom::value, index, generator);
-  std::cout << "troupe worker: generator " << index << " joined" << std::endl;
+  std::cout << "troupe worker: generator " << index << " joined (pid " << ::getpid() << ")" << std::endl;
   int status = 0;
   bool done = false;
   while (!done) {
@@ -67,8 +68,11 @@ int serve_generator(actor_system& system, controller_actor controller, double ti
         }
         done = true;
       } else {
-        std::cerr << "troupe worker: the controller went away (" << (dm.reason ? system.render(dm.reason) : "normal exit")
-                  << "); stopping generator " << index << std::endl;
+        if (dm.reason && dm.reason != exit_reason::normal)
+          std::cerr << "troupe worker: the controller went away (" << system.render(dm.reason) << "); stopping generator "
+                    << index << std::endl;
+        else
+          std::cout << "troupe worker: the run ended; stopping generator " << index << std::endl;
         self->send_exit(generator, exit_reason::user_shutdown);
       }
     });
@@ -114,24 +118,62 @@ int run_worker(const std::string& host, uint16_t port, const std::string& role, 
   }
 }
 
-WorkerProcesses::WorkerProcesses(std::filesystem::path program, const std::string& host, uint16_t port, int64_t n) {
-  if (program.empty()) program = std::filesystem::read_symlink("/proc/self/exe");
-  const std::string where = host + ":" + std::to_string(port);
-  for (int64_t i = 0; i < n; ++i) {
-    std::vector<std::string> args = {program.string(), "worker", "--connect", where, "--role", "generator"};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_t pid = 0;
-    if (int rc = posix_spawn(&pid, program.c_str(), nullptr, nullptr, argv.data(), environ); rc != 0)
-      throw Error("cannot start a generator worker (" + program.string() + "): " + std::strerror(rc));
-    pids_.push_back(pid);
+WorkerProcesses::WorkerProcesses(std::filesystem::path program, const std::string& host, uint16_t port, int64_t n,
+                                 int64_t restarts)
+    : program_(program.empty() ? std::filesystem::read_symlink("/proc/self/exe") : std::move(program)),
+      where_(host + ":" + std::to_string(port)),
+      restarts_left_(restarts) {
+  for (int64_t i = 0; i < n; ++i) pids_.push_back(start());
+  supervisor_ = std::thread([this] { supervise(); });
+}
+
+pid_t WorkerProcesses::start() const {
+  std::vector<std::string> args = {program_.string(), "worker", "--connect", where_, "--role", "generator"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  if (int rc = posix_spawn(&pid, program_.c_str(), nullptr, nullptr, argv.data(), environ); rc != 0)
+    throw Error("cannot start a generator worker (" + program_.string() + "): " + std::strerror(rc));
+  return pid;
+}
+
+// Every 100 ms: a worker that exited during the run is replaced while restarts are left.
+void WorkerProcesses::supervise() {
+  while (!stopping_) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::lock_guard lock(mu_);
+    for (auto& pid : pids_) {
+      int status = 0;
+      if (pid <= 0 || waitpid(pid, &status, WNOHANG) != pid || stopping_) continue;
+      std::string how = WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
+                                            : "exit status " + std::to_string(WEXITSTATUS(status));
+      if (restarts_left_ <= 0) {
+        std::cerr << "troupe run: generator worker " << pid << " ended (" << how << "); no restarts left (cluster.restarts)"
+                  << std::endl;
+        pid = -1;
+        continue;
+      }
+      --restarts_left_;
+      pid_t replacement = -1;
+      try {
+        replacement = start();
+      } catch (const std::exception& e) {
+        std::cerr << "troupe run: " << e.what() << std::endl;
+      }
+      std::cerr << "troupe run: generator worker " << pid << " ended (" << how << "); started worker " << replacement
+                << " in its place" << std::endl;
+      pid = replacement;
+    }
   }
 }
 
 WorkerProcesses::~WorkerProcesses() {
+  stopping_ = true;
+  supervisor_.join();
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   for (pid_t pid : pids_) {
+    if (pid <= 0) continue;
     while (waitpid(pid, nullptr, WNOHANG) == 0) {
       if (std::chrono::steady_clock::now() > deadline) {
         ::kill(pid, SIGKILL);

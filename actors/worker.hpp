@@ -6,7 +6,10 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <atomic>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <sys/types.h>
@@ -20,18 +23,27 @@ std::string app_identifier();
 // `timeout_s` (connecting, and the controller's answer), and every failure is one line on stderr.
 int run_worker(const std::string& host, uint16_t port, const std::string& role, double timeout_s);
 
-// N `troupe worker` processes of `program` (empty: this executable) connecting to host:port.
-// The destructor waits for them to exit after the run (up to 10 s each), then kills what is left.
+// N `troupe worker` processes of `program` (empty: this executable) connecting to host:port,
+// supervised: one that dies is replaced (up to `restarts` times in all), and the replacement
+// joins the run as a new generator. The destructor waits for them to exit after the run (up to
+// 10 s each), then kills what is left.
 class WorkerProcesses {
  public:
-  WorkerProcesses(std::filesystem::path program, const std::string& host, uint16_t port, int64_t n);
+  WorkerProcesses(std::filesystem::path program, const std::string& host, uint16_t port, int64_t n, int64_t restarts);
   ~WorkerProcesses();
   WorkerProcesses(const WorkerProcesses&) = delete;
   WorkerProcesses& operator=(const WorkerProcesses&) = delete;
-  const std::vector<pid_t>& pids() const { return pids_; }
 
  private:
+  pid_t start() const;
+  void supervise();
+  std::filesystem::path program_;
+  std::string where_;
+  int64_t restarts_left_;
+  std::mutex mu_;
   std::vector<pid_t> pids_;
+  std::atomic<bool> stopping_{false};
+  std::thread supervisor_;
 };
 
 }  // namespace troupe

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <random>
 #include <regex>
+#include <set>
 #include <thread>
 
 #include "tests/actors/run_util.hpp"
@@ -39,9 +40,10 @@ std::string task_args(int64_t steps) {
          " run.deterministic=true async.max_staleness=1 generator.threads=1 trainer.threads=1";
 }
 
-// Every metric of every step, without the timings (and the figures derived from them).
+// Every metric of every step, without the timings (and the figures derived from them) and
+// the controller's bookkeeping of which generator got how many prompts when.
 bool is_timing(const std::string& key) {
-  return key.rfind("time/", 0) == 0 || key == "tokens_per_s";
+  return key.rfind("time/", 0) == 0 || key == "tokens_per_s" || key.rfind("generators/", 0) == 0;
 }
 
 void check_same_run(const fs::path& a, const fs::path& b, int64_t steps) {
@@ -125,6 +127,41 @@ std::string read_file(const fs::path& p) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+// Waits (60 s at most) until DIR/metrics.jsonl has `steps` lines.
+void wait_for_steps(const fs::path& dir, size_t steps) {
+  for (int i = 0; i < 6000 && metrics(dir).size() < steps; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE(metrics(dir).size() >= steps);
+}
+
+// The pids of the worker processes whose generators joined, from the run's log.
+std::vector<pid_t> worker_pids(const fs::path& log) {
+  const std::regex joined("generator [0-9]+ joined \\(pid ([0-9]+)\\)");
+  auto text = read_file(log);
+  std::vector<pid_t> out;
+  for (std::sregex_iterator it(text.begin(), text.end(), joined), end; it != end; ++it) out.push_back(std::stoi((*it)[1]));
+  return out;
+}
+
+bool gone(pid_t pid) {
+  if (::kill(pid, 0) != 0) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string s((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  auto close = s.rfind(')');
+  return close == std::string::npos || s.substr(close + 2, 1) == "Z";  // a zombie has exited
+}
+
+// Every step trained a full batch (trained + failed = batch_groups: each ticket once, none lost,
+// none doubled), kept the staleness bound, and advanced the version by one.
+void check_steps(const std::vector<nlohmann::json>& m, int64_t batch_groups, int64_t eta) {
+  for (size_t i = 0; i < m.size(); ++i) {
+    CAPTURE(i);
+    CHECK(m[i]["step"].get<size_t>() == i + 1);
+    CHECK(m[i]["rollouts/trained"].get<int64_t>() + m[i]["rollouts/failed"].get<int64_t>() == batch_groups);
+    CHECK(m[i]["staleness/max"].get<int64_t>() <= eta);
+    CHECK(m[i]["policy_version"].get<size_t>() == i + 1);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("grpo: generators in two worker processes end bit-identical to two in-process generators") {
@@ -191,4 +228,121 @@ TEST_CASE("reinforce, the smallest recipe, learns the tiny task") {
   for (int i = 110; i < 120; ++i) last += m[i]["reward/mean"].get<double>() / 10;
   MESSAGE("reinforce: reward/mean first 10 steps " << first << ", last 10 " << last);
   CHECK(last > first + 0.3);
+}
+
+TEST_CASE("a generator worker killed with SIGKILL at 5 different steps: every run finishes, nothing lost or doubled") {
+  // Kills in steps 2..12 of 26, so the replacement (a new process loading its model) has time to join.
+  const int64_t steps = 26;
+  std::mt19937 rng(std::random_device{}());
+  std::set<int64_t> kill_steps;
+  while (kill_steps.size() < 5) kill_steps.insert(2 + static_cast<int64_t>(rng() % 11));
+  for (int64_t kill_at : kill_steps) {
+    CAPTURE(kill_at);
+    auto dir = fixtures() / ("cluster_kill_" + std::to_string(kill_at));
+    fs::remove_all(dir);
+    auto log = fixtures() / ("cluster_kill_" + std::to_string(kill_at) + ".log");
+    auto run = start_run("tiny_arithmetic_grpo", task_args(steps) + " cluster.generator_processes=2 run.dir=" +
+                                                     shell_quote(dir.string()),
+                         log);
+    wait_for_steps(dir, kill_at);
+    auto pids = worker_pids(log);
+    REQUIRE(pids.size() == 2);
+    const pid_t victim = pids[rng() % 2];
+    REQUIRE(::kill(victim, SIGKILL) == 0);
+    int status = wait_for(run.pid);
+    auto text = read_file(log);
+    INFO(text);
+    REQUIRE(status == 0);
+    auto m = metrics(dir);
+    REQUIRE(m.size() == static_cast<size_t>(steps));
+    check_steps(m, 16, 1);
+    CHECK(text.find("went away") != std::string::npos);
+    // The replacement joined and was sent the weights current at that point, not version 0.
+    const std::regex rejoined("generator [0-9]+ joined from another process \\([0-9]+ live, sent weights v([0-9]+)\\)");
+    int64_t joins = 0, newest = -1;
+    for (std::sregex_iterator it(text.begin(), text.end(), rejoined), end; it != end; ++it, ++joins)
+      newest = std::max<int64_t>(newest, std::stoll((*it)[1]));
+    CHECK(joins == 3);
+    CHECK(newest >= kill_at);
+    MESSAGE("killed worker " << victim << " after step " << kill_at << "; the replacement joined at weights v" << newest);
+  }
+}
+
+TEST_CASE("elastic: a worker that joins mid-run takes prompts within a step; it leaves when the run ends") {
+  auto dir = fixtures() / "cluster_elastic";
+  fs::remove_all(dir);
+  auto run = start_run("tiny_arithmetic_grpo", task_args(60) + " cluster.generator_processes=1 run.dir=" +
+                                                   shell_quote(dir.string()),
+                       fixtures() / "cluster_elastic.log");
+  wait_for_steps(dir, 3);
+  auto extra_log = fixtures() / "cluster_elastic_extra.log";
+  auto extra = run_command("(" + bounded(600, shell_quote(env_dir("TROUPE_BIN").string()) + " worker --connect 127.0.0.1:" +
+                                                  std::to_string(run.port)) +
+                           " > " + shell_quote(extra_log.string()) + " 2>&1; echo $? >> " +
+                           shell_quote(extra_log.string()) + ") & echo started");
+  REQUIRE(extra.status == 0);
+  CHECK(wait_for(run.pid) == 0);
+  auto text = read_file(run.log);
+  INFO(text);
+  CHECK(text.find("generator 1 joined from another process (2 live") != std::string::npos);
+  auto m = metrics(dir);
+  REQUIRE(m.size() == 60);
+  check_steps(m, 16, 1);
+  // The first step that reports two live generators, and the prompts each got per step.
+  size_t joined_at = m.size();
+  for (size_t i = 0; i < m.size() && joined_at == m.size(); ++i)
+    if (m[i]["generators/live"].get<int64_t>() == 2) joined_at = i;
+  REQUIRE(joined_at < m.size());
+  int64_t taken = 0;
+  for (size_t i = joined_at; i < std::min(m.size(), joined_at + 2); ++i)
+    if (m[i]["generators/prompts"].size() > 1) taken += m[i]["generators/prompts"][1].get<int64_t>();
+  MESSAGE("the extra worker joined before step " << joined_at + 1 << " and took " << taken << " prompts in the next two steps");
+  CHECK(taken > 0);
+  // The extra worker's exit status is the last line of its log once it has exited (20 s at most).
+  const std::regex exited("\\n([0-9]+)\\n$");
+  std::smatch status;
+  std::string out;
+  for (int i = 0; i < 1000; ++i) {
+    out = read_file(extra_log);
+    if (std::regex_search(out, status, exited)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  INFO(out);
+  CHECK(out.find("joined") != std::string::npos);
+  REQUIRE(std::regex_search(out, status, exited));
+  CHECK(status[1] == "0");  // the extra worker exited cleanly with the run
+}
+
+TEST_CASE("the controller killed with SIGKILL: its workers exit, and resume= continues the run") {
+  auto dir = fixtures() / "cluster_controller_killed";
+  fs::remove_all(dir);
+  const std::string args = task_args(16) + " run.checkpoint_every=2 cluster.generator_processes=2 run.dir=" +
+                           shell_quote(dir.string());
+  auto run = start_run("tiny_arithmetic_grpo", args, fixtures() / "cluster_controller_killed.log");
+  wait_for_steps(dir, 5);
+  auto pids = worker_pids(run.log);
+  REQUIRE(pids.size() == 2);
+  // The workers' parent is the troupe run process itself.
+  std::ifstream stat("/proc/" + std::to_string(pids[0]) + "/stat");
+  std::string s((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  std::istringstream fields(s.substr(s.rfind(')') + 2));
+  std::string state;
+  pid_t controller = 0;
+  fields >> state >> controller;
+  REQUIRE(controller > 1);
+  REQUIRE(::kill(controller, SIGKILL) == 0);
+  wait_for(run.pid);
+  for (int i = 0; i < 1500 && !(gone(pids[0]) && gone(pids[1])); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(gone(pids[0]));
+  CHECK(gone(pids[1]));
+  auto done = metrics(dir).size();
+  REQUIRE(done < 16);
+  auto r = run_command(bounded(600, troupe_run("tiny_arithmetic_grpo", args + " resume=" + shell_quote(dir.string()))) + " 2>&1");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("resumed from") != std::string::npos);
+  auto m = metrics(dir);
+  REQUIRE(m.size() == 16);
+  check_steps(m, 16, 1);
+  MESSAGE("controller killed after " << done << " steps; both workers exited; resumed to step 16");
 }
