@@ -1,5 +1,5 @@
-// RemoteEngine: vLLM's /v1/completions and disk weight-sync endpoints over cpp-httplib, with
-// retries and answers checked field by field. It never guesses token ids from text.
+// RemoteEngine: vLLM's /v1/completions and weight-sync routes (vLLM 0.33.0) over cpp-httplib,
+// with retries and answers checked field by field. It never guesses token ids from text.
 #include "generator/remote_engine.hpp"
 
 #include <algorithm>
@@ -11,6 +11,7 @@
 #include <thread>
 
 #include <httplib.h>
+#include <torch/cuda.h>
 
 #include "policy/error.hpp"
 #include "policy/safetensors.hpp"
@@ -60,18 +61,70 @@ void set_timeout(httplib::Client& client, double seconds, void (httplib::Client:
   (client.*setter)(whole, static_cast<time_t>((seconds - whole) * 1e6));
 }
 
-safetensors::Dtype file_dtype(const torch::Tensor& t, const std::string& name) {
-  switch (t.scalar_type()) {
-    case torch::kFloat32: return safetensors::Dtype::F32;
-    case torch::kBFloat16: return safetensors::Dtype::BF16;
-    case torch::kFloat16: return safetensors::Dtype::F16;
-    case torch::kFloat64: return safetensors::Dtype::F64;
-    case torch::kInt64: return safetensors::Dtype::I64;
-    case torch::kInt32: return safetensors::Dtype::I32;
-    default: break;
-  }
+// The dtypes weight sync carries: safetensors' code, and torch's attribute name (vLLM's dtype_names).
+struct WireDtype {
+  torch::ScalarType type;
+  safetensors::Dtype file;
+  const char* torch_name;
+};
+const WireDtype kWireDtypes[] = {
+    {torch::kFloat32, safetensors::Dtype::F32, "float32"}, {torch::kBFloat16, safetensors::Dtype::BF16, "bfloat16"},
+    {torch::kFloat16, safetensors::Dtype::F16, "float16"}, {torch::kFloat64, safetensors::Dtype::F64, "float64"},
+    {torch::kInt64, safetensors::Dtype::I64, "int64"},     {torch::kInt32, safetensors::Dtype::I32, "int32"},
+};
+
+const WireDtype& wire_dtype(const torch::Tensor& t, const std::string& name) {
+  for (const auto& d : kWireDtypes)
+    if (d.type == t.scalar_type()) return d;
   throw Error("update_weights: tensor '" + name + "' has dtype " + c10::toString(t.scalar_type()) +
-              ", which safetensors weight sync does not carry");
+              ", which weight sync does not carry (float32, bfloat16, float16, float64, int64, int32)");
+}
+
+// Writes the tensors as a safetensors folder at `dir`; returns its absolute path, as the server needs.
+fs::path write_checkpoint(const std::map<std::string, torch::Tensor>& weights, const fs::path& dir) {
+  const fs::path abs = fs::absolute(dir).lexically_normal();
+  fs::create_directories(abs);
+  std::vector<torch::Tensor> keep;  // owns the CPU copies while the writer reads them
+  std::vector<safetensors::TensorRef> refs;
+  for (const auto& [name, tensor] : weights) {
+    auto t = tensor.detach().to(torch::kCPU).contiguous();
+    keep.push_back(t);
+    refs.push_back({name, wire_dtype(t, name).file, t.sizes().vec(), t.data_ptr(), t.nbytes()});
+  }
+  safetensors::write_dir(abs, refs);
+  return abs;
+}
+
+// Standard base64 (RFC 4648, not URL-safe), which vLLM requires of nccl_unique_id_b64.
+std::string base64(const std::string& bytes) {
+  static const char* digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  for (size_t i = 0; i < bytes.size(); i += 3) {
+    uint32_t n = static_cast<uint8_t>(bytes[i]) << 16;
+    if (i + 1 < bytes.size()) n |= static_cast<uint8_t>(bytes[i + 1]) << 8;
+    if (i + 2 < bytes.size()) n |= static_cast<uint8_t>(bytes[i + 2]);
+    out += digits[(n >> 18) & 63];
+    out += digits[(n >> 12) & 63];
+    out += i + 1 < bytes.size() ? digits[(n >> 6) & 63] : '=';
+    out += i + 2 < bytes.size() ? digits[n & 63] : '=';
+  }
+  return out;
+}
+
+void check_weight_transfer(const RemoteOptions& o, const std::string& url) {
+  const std::string& w = o.weight_transfer;
+  if (w != "reload" && w != "disk" && w != "nccl")
+    throw Error(url + ": weight_transfer must be reload, disk or nccl, got '" + w + "'");
+  if (w != "nccl") return;
+  if (!torch::cuda::is_available())
+    throw Error(url + ": NCCL weight transfer needs a CUDA device, and none is visible; on CPU use "
+                      "weight_transfer = \"reload\" (any vLLM) or \"disk\"");
+  if (!o.nccl.connect || !o.nccl.broadcast)
+    throw Error(url + ": weight_transfer = \"nccl\" needs nccl.connect and nccl.broadcast, the caller's NCCL "
+                      "communicator (troupe links no NCCL)");
+  if (o.nccl.unique_id.size() != 128)
+    throw Error(url + ": nccl.unique_id must hold the 128 bytes of an ncclUniqueId, got " +
+                std::to_string(o.nccl.unique_id.size()));
 }
 
 // Field access that names what is missing or mistyped: "URL: the answer has no 'choices[0].text'".
@@ -150,6 +203,7 @@ RemoteEngine::RemoteEngine(std::string base_url, RemoteOptions options, std::opt
   if ((options_.text_prompts || options_.ids_from_logprob_tokens) && !tokenizer_)
     throw Error(base_url_ + ": text_prompts and ids_from_logprob_tokens need the model's tokenizer");
   if (!options_.extra.is_object()) throw Error(base_url_ + ": options.extra must be a JSON object");
+  check_weight_transfer(options_, base_url_);
   if (options_.ids_from_logprob_tokens) {
     // Every id's own text, so a server's token strings can be mapped back only where unambiguous.
     for (int32_t id = 0; id < tokenizer_->vocab_size(); ++id) {
@@ -178,10 +232,11 @@ RemoteEngine::Reply RemoteEngine::send(const std::string& method, const std::str
   return {result->status, result->body, ""};
 }
 
-std::string RemoteEngine::call(const std::string& method, const std::string& path, const std::string& body) const {
+std::string RemoteEngine::call(const std::string& method, const std::string& path, const std::string& body,
+                               int tries) const {
   const std::string url = base_url_ + path;
   std::string problem;
-  for (int attempt = 1; attempt <= options_.tries; ++attempt) {
+  for (int attempt = 1; attempt <= tries; ++attempt) {
     if (attempt > 1)
       std::this_thread::sleep_for(std::chrono::duration<double>(options_.backoff_s * std::pow(2.0, attempt - 2)));
     Reply reply = send(method, path, body);
@@ -197,8 +252,7 @@ std::string RemoteEngine::call(const std::string& method, const std::string& pat
       throw Error(url + ": HTTP " + std::to_string(reply.status) + ": " + server_message(reply.body));
     return reply.body;
   }
-  throw Error(url + ": " + problem + " after " + std::to_string(options_.tries) +
-              (options_.tries == 1 ? " try" : " tries"));
+  throw Error(url + ": " + problem + " after " + std::to_string(tries) + (tries == 1 ? " try" : " tries"));
 }
 
 namespace {
@@ -210,11 +264,11 @@ json parse_answer(const std::string& body, const std::string& url) {
 }  // namespace
 
 json RemoteEngine::post(const std::string& path, const json& body) const {
-  return parse_answer(call("POST", path, body.dump()), base_url_ + path);
+  return parse_answer(call("POST", path, body.dump(), options_.tries), base_url_ + path);
 }
 
 json RemoteEngine::get(const std::string& path) const {
-  return parse_answer(call("GET", path, ""), base_url_ + path);
+  return parse_answer(call("GET", path, "", options_.tries), base_url_ + path);
 }
 
 bool RemoteEngine::health() const {
@@ -403,22 +457,108 @@ std::vector<Completion> RemoteEngine::generate(const std::vector<std::vector<int
   return out;
 }
 
+// ---------------------------------------------------------------- weight sync (vLLM 0.33.0)
+
+// One try: a repeated start or update would open or fill another session.
+std::string RemoteEngine::sync_post(const std::string& path, const json& body) const {
+  return call("POST", path, body.dump(), 1);
+}
+
+// vLLM's NCCL routes answer only once rank 0 has joined the collective, so the request runs on
+// a thread while `work` (rank 0's side) runs here. NCCL has no timeout: if `work` fails, the
+// join waits for the request's read timeout; if the request fails, `work` must give up itself.
+void RemoteEngine::post_during(const std::string& path, const json& body, const std::function<void()>& work) const {
+  std::exception_ptr request_error, work_error;
+  std::thread request([&] {
+    try {
+      sync_post(path, body);
+    } catch (...) {
+      request_error = std::current_exception();
+    }
+  });
+  try {
+    work();
+  } catch (...) {
+    work_error = std::current_exception();
+  }
+  request.join();
+  if (work_error) std::rethrow_exception(work_error);
+  if (request_error) std::rethrow_exception(request_error);
+}
+
+// The window around a load: mode=wait lets running requests finish and turns new ones away, so
+// none spans two versions; the prefix cache is reset so none reuses keys of the old weights.
+void RemoteEngine::sync_window(const std::function<void()>& load) const {
+  sync_post("/pause?mode=wait", json::object());
+  load();
+  const std::string path = "/reset_prefix_cache", url = base_url_ + path;
+  Fields f{url};
+  json answer = parse_answer(sync_post(path, json::object()), url);
+  const json& success = f.need(answer, "", "success");
+  if (!success.is_boolean()) f.fail("the answer's 'success' is not a boolean: " + excerpt(success.dump(), 80));
+  if (!success.get<bool>())
+    f.fail("the answer's 'success' is false: blocks are still held, so prefixes cached under the old weights may be reused");
+  sync_post("/resume", json::object());
+}
+
+void RemoteEngine::sync_reload(const fs::path& dir, int64_t version) const {
+  sync_window([&] {
+    sync_post("/collective_rpc", {{"method", "reload_weights"}, {"kwargs", json{{"weights_path", dir.string()}}}});
+    sync_post("/update_weight_version", {{"new_version", std::to_string(version)}});
+  });
+}
+
+void RemoteEngine::sync_disk(const fs::path& dir, int64_t version) {
+  if (!transfer_ready_) {  // the disk backend needs no rendezvous: its init_info has no fields
+    sync_post("/init_weight_transfer_engine", {{"init_info", json::object()}});
+    transfer_ready_ = true;
+  }
+  sync_window([&] {
+    sync_post("/start_weight_update", json::object());
+    sync_post("/update_weights", {{"update_info", json{{"path", dir.string()}}}});
+    sync_post("/finish_weight_update", {{"weight_version", std::to_string(version)}});
+  });
+}
+
+// Rank 0 is this process; the server's workers follow at rank_offset 1.
+void RemoteEngine::init_nccl() {
+  const std::string path = "/get_world_size", url = base_url_ + path;
+  Fields f{url};
+  const json answer = get(path);
+  const int64_t world_size = 1 + f.integer(f.need(answer, "", "world_size"), "world_size");
+  json info = {{"nccl_unique_id_b64", base64(options_.nccl.unique_id)},
+               {"rank_offset", 1},
+               {"world_size", world_size},
+               {"packed", false}};
+  post_during("/init_weight_transfer_engine", {{"init_info", info}}, [&] { options_.nccl.connect(world_size); });
+  transfer_ready_ = true;
+}
+
+void RemoteEngine::sync_nccl(const std::map<std::string, torch::Tensor>& weights, int64_t version) {
+  json names = json::array(), dtype_names = json::array(), shapes = json::array();
+  std::vector<torch::Tensor> tensors;  // in names order: the server cuts the stream by it
+  for (const auto& [name, tensor] : weights) {
+    names.push_back(name);
+    dtype_names.push_back(wire_dtype(tensor, name).torch_name);
+    shapes.push_back(tensor.sizes().vec());
+    tensors.push_back(tensor.detach().contiguous());
+  }
+  json update_info = {{"names", names}, {"dtype_names", dtype_names}, {"shapes", shapes}};
+  if (!transfer_ready_) init_nccl();
+  sync_window([&] {
+    sync_post("/start_weight_update", json::object());
+    post_during("/update_weights", {{"update_info", update_info}}, [&] {
+      for (const auto& t : tensors) options_.nccl.broadcast(t);
+    });
+    sync_post("/finish_weight_update", {{"weight_version", std::to_string(version)}});
+  });
+}
+
 void RemoteEngine::update_weights(const std::map<std::string, torch::Tensor>& weights, int64_t version,
                                   const fs::path& dir) {
-  const fs::path abs = fs::absolute(dir).lexically_normal();
-  fs::create_directories(abs);
-  std::vector<torch::Tensor> keep;  // owns the CPU copies while the writer reads them
-  std::vector<safetensors::TensorRef> refs;
-  for (const auto& [name, tensor] : weights) {
-    auto t = tensor.detach().to(torch::kCPU).contiguous();
-    keep.push_back(t);
-    refs.push_back({name, file_dtype(t, name), t.sizes().vec(), t.data_ptr(), t.nbytes()});
-  }
-  safetensors::write_dir(abs, refs);
-  // Answers are not read: vLLM answers these with an empty 200, others with small JSON.
-  call("POST", "/start_weight_update", "{}");
-  call("POST", "/update_weights", json{{"update_info", {{"path", abs.string()}}}}.dump());
-  call("POST", "/finish_weight_update", json{{"weight_version", version}}.dump());
+  if (options_.weight_transfer == "nccl") sync_nccl(weights, version);
+  else if (options_.weight_transfer == "disk") sync_disk(write_checkpoint(weights, dir), version);
+  else sync_reload(write_checkpoint(weights, dir), version);
   version_ = version;
 }
 

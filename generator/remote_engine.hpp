@@ -1,10 +1,11 @@
 // A client for vLLM-compatible HTTP servers (vLLM, `troupe serve`, llama.cpp's with options):
 // generation through /v1/completions with token-id prompts, returning the same Completion as the
-// built-in Engine, and weight sync through a safetensors folder on disk. No streaming, no chat.
+// built-in Engine, and weight sync through vLLM 0.33.0's routes. No streaming, no chat.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -18,6 +19,18 @@
 #include "policy/tokenizer.hpp"
 
 namespace troupe {
+
+// The data plane of weight_transfer = "nccl", owned by the caller (troupe links no NCCL): a
+// communicator whose rank 0 is this process and whose ranks 1.. are the server's workers.
+struct NcclSender {
+  std::string unique_id;  // the 128 raw bytes of the caller's ncclGetUniqueId
+  // Joins as rank 0 of world_size (ncclCommInitRank), then vLLM's warm-up, a one-element float32
+  // all_reduce (sum). Runs while /init_weight_transfer_engine is in flight, which it unblocks.
+  std::function<void(int64_t world_size)> connect;
+  // Broadcasts one tensor from rank 0, in update_info.names order, while /update_weights is in
+  // flight. It gets the tensor as given (contiguous); moving it to the communicator's device is its job.
+  std::function<void(const torch::Tensor&)> broadcast;
+};
 
 struct RemoteOptions {
   std::string api_key;            // sent as "Authorization: Bearer KEY" when not empty
@@ -40,6 +53,20 @@ struct RemoteOptions {
   bool ids_from_logprob_tokens = false;
   // Servers that ignore "n": send n requests of one sample each (seeds seed, seed+1, ...).
   bool one_sample_per_request = false;
+
+  // How update_weights hands weights over, in vLLM 0.33.0's routes (all need the server started
+  // with VLLM_SERVER_DEV_MODE=1):
+  //   "reload"  vLLM's disk reload, POST /collective_rpc {"method": "reload_weights", "kwargs":
+  //             {"weights_path": DIR}}: any vLLM, on CPU or GPU, with no weight-transfer config;
+  //             and troupe serve.
+  //   "disk"    vLLM's weight-transfer protocol (init, start, update, finish) with the shared-disk
+  //             backend, update_info {"path": DIR}: troupe serve, and a vLLM with
+  //             --weight-transfer-config '{"backend": "disk"}' (in vLLM's source after 0.33.0;
+  //             0.33.0 itself has no file backend).
+  //   "nccl"    the same protocol with vLLM's NCCL backend: names, dtype_names and shapes over
+  //             HTTP, the bytes through `nccl`. Needs a CUDA device; troupe serve refuses it.
+  std::string weight_transfer = "reload";
+  NcclSender nccl;  // for weight_transfer = "nccl" only
 };
 
 class RemoteEngine {
@@ -61,9 +88,21 @@ class RemoteEngine {
   // else they are the last version this client pushed.
   std::vector<Completion> generate(const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params);
 
-  // Writes the tensors (HF names, their own dtypes) as a safetensors folder in `dir`, then asks
-  // the server to load it: /start_weight_update, /update_weights {"update_info": {"path": dir}},
-  // /finish_weight_update {"weight_version": version}. The folder must be readable by the server.
+  // Pushes the tensors (HF names, their own dtypes) as policy `version`, inside vLLM's window:
+  // POST /pause?mode=wait (running requests finish, new ones get 503, which generate() retries),
+  // the load, POST /reset_prefix_cache, POST /resume. The load, by options.weight_transfer:
+  //   reload: `dir` gets a safetensors folder; /collective_rpc reload_weights from it, then
+  //           /update_weight_version {"new_version": "N"}.
+  //   disk:   `dir` likewise; /init_weight_transfer_engine {"init_info": {}} on the first push
+  //           only, then /start_weight_update, /update_weights {"update_info": {"path": dir}},
+  //           /finish_weight_update {"weight_version": "N"}.
+  //   nccl:   `dir` is unused; the first push sends /init_weight_transfer_engine with
+  //           nccl_unique_id_b64, rank_offset 1 and world_size 1 + GET /get_world_size while
+  //           nccl.connect runs; then start, update {"names", "dtype_names", "shapes"} while
+  //           nccl.broadcast sends each tensor, finish.
+  // The folder must be readable by the server at the same path. Each step is tried once: a
+  // repeated start or update would open or fill another session. A failed push leaves the
+  // server paused (vLLM's loads are not transactional, so its weights may be half new).
   void update_weights(const std::map<std::string, torch::Tensor>& weights, int64_t version,
                       const std::filesystem::path& dir);
   int64_t version() const { return version_; }  // the last version pushed (0 before any)
@@ -79,7 +118,14 @@ class RemoteEngine {
  private:
   struct Reply;
   Reply send(const std::string& method, const std::string& path, const std::string& body) const;
-  std::string call(const std::string& method, const std::string& path, const std::string& body) const;
+  std::string call(const std::string& method, const std::string& path, const std::string& body, int tries) const;
+  std::string sync_post(const std::string& path, const nlohmann::json& body) const;
+  void post_during(const std::string& path, const nlohmann::json& body, const std::function<void()>& work) const;
+  void sync_window(const std::function<void()>& load) const;
+  void sync_reload(const std::filesystem::path& dir, int64_t version) const;
+  void sync_disk(const std::filesystem::path& dir, int64_t version);
+  void init_nccl();
+  void sync_nccl(const std::map<std::string, torch::Tensor>& weights, int64_t version);
   nlohmann::json completion_body(const std::vector<int32_t>& prompt, const SamplingParams& params,
                                  int64_t n, std::optional<uint64_t> seed) const;
   std::vector<Completion> complete(uint64_t request_id, const std::vector<int32_t>& prompt,
@@ -97,6 +143,7 @@ class RemoteEngine {
   std::optional<Tokenizer> tokenizer_;
   std::map<std::string, int32_t> id_of_piece_;  // decode({id}) -> id; -1 where several ids share it
   int64_t version_ = 0;
+  bool transfer_ready_ = false;  // /init_weight_transfer_engine answered (disk and nccl: once)
 };
 
 }  // namespace troupe

@@ -6,9 +6,13 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <condition_variable>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <mutex>
 #include <random>
@@ -50,6 +54,9 @@ struct HttpError : std::runtime_error {
 [[noreturn]] void bad(const std::string& param, const std::string& message) {
   throw HttpError(400, "BadRequestError", param, message);
 }
+
+// A request that is well formed but out of turn (finish before start, start twice).
+[[noreturn]] void conflict(const std::string& message) { throw HttpError(409, "ConflictError", "", message); }
 
 json error_body(int status, const std::string& type, const std::string& message, const std::string& param) {
   return {{"error",
@@ -113,6 +120,68 @@ std::optional<std::string> string_field(const json& body, const char* key) {
   if (!v) return std::nullopt;
   if (!v->is_string()) bad(key, std::string("`") + key + "` must be a string, got " + type_name(*v));
   return v->get<std::string>();
+}
+
+// A boolean query parameter, read as FastAPI reads one: true/false, 1/0, yes/no, on/off.
+bool query_flag(const json& query, const char* key, bool fallback) {
+  auto v = string_field(query, key);
+  if (!v) return fallback;
+  std::string s = *v;
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (s == "true" || s == "1" || s == "yes" || s == "on") return true;
+  if (s == "false" || s == "0" || s == "no" || s == "off") return false;
+  bad(key, std::string("`") + key + "` must be a boolean (true or false), got '" + *v + "'");
+}
+
+// vLLM's weight versions are strings; troupe's are integers (every choice's min/max_version), so
+// a version here is a non-negative integer or a string of digits. `key` must be present.
+int64_t version_field(const json& body, const char* key) {
+  const json& v = body.at(key);
+  const std::string message = std::string("`") + key +
+                              "` must be a non-negative integer or a string of digits (troupe's versions are "
+                              "integers), got " + v.dump();
+  if (v.is_string()) {
+    const auto& digits = v.get_ref<const std::string&>();
+    if (digits.empty() || digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), ::isdigit)) bad(key, message);
+    return std::stoll(digits);
+  }
+  if (!v.is_number()) bad(key, message);
+  auto n = int_field(body, key);
+  if (*n < 0) bad(key, message);
+  return *n;
+}
+
+// Runs field checks on a nested object; their errors name the field in full ("init_info.world_size").
+void nested(const std::string& prefix, const std::function<void()>& check) {
+  try {
+    check();
+  } catch (const HttpError& e) {
+    throw HttpError(e.status, e.type, e.param.empty() ? prefix : prefix + "." + e.param, prefix + ": " + e.what());
+  }
+}
+
+// Standard base64 (RFC 4648, not URL-safe), strictly, as vLLM decodes nccl_unique_id_b64.
+std::optional<std::string> base64_decode(const std::string& text) {
+  static const char* digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  if (text.size() % 4 != 0) return std::nullopt;
+  std::string out;
+  uint32_t bits = 0;
+  int count = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '=') {
+      if (i + 2 < text.size() || (i + 1 < text.size() && text[i + 1] != '=')) return std::nullopt;
+      break;  // padding: the last one or two characters only
+    }
+    const char* d = text[i] ? std::strchr(digits, text[i]) : nullptr;
+    if (!d) return std::nullopt;
+    bits = (bits << 6) | static_cast<uint32_t>(d - digits);
+    count += 6;
+    if (count >= 8) {
+      count -= 8;
+      out += static_cast<char>((bits >> count) & 0xFF);
+    }
+  }
+  return out;
 }
 
 // A list of token ids, each in [0, vocab).
@@ -286,13 +355,18 @@ class Service {
   json chat_completions(const json& body);
   json tokenize(const json& body) const;
   json detokenize(const json& body) const;
+  json init_weight_transfer_engine(const json& body) const;
   json start_weight_update(const json& body);
   json update_weights(const json& body);
   json finish_weight_update(const json& body);
-  json pause();
+  json collective_rpc(const json& body);
+  json update_weight_version(const json& body);
+  json reset_prefix_cache(const json& query) const;
+  json pause(const json& query);
   json resume();
-  json is_paused() const { return {{"is_paused", loop_->paused()}}; }
-  json weight_version() const { return {{"weight_version", loop_->version()}}; }
+  json is_paused() const;
+  json weight_info() const { return {{"weight_version", loop_->version()}}; }
+  json world_size() const { return {{"world_size", 1}}; }  // one process, one worker
 
   bool authorized(const httplib::Request& req) const;
   const ServeOptions& options() const { return options_; }
@@ -315,7 +389,11 @@ class Service {
   std::string token_text(int32_t id, bool as_id) const;
   json completion_logprobs(const Completion& c, const Sampling& s) const;
   json chat_logprobs(const Completion& c, const Sampling& s) const;
-  std::map<std::string, torch::Tensor> read_update_dir(const std::string& path) const;
+  void admit();
+  void leave();
+  void check_nccl_init(const json& info) const;
+  std::map<std::string, torch::Tensor> read_update_dir(const std::string& path, const std::string& param) const;
+  void apply(std::map<std::string, torch::Tensor> weights, int64_t version);
 
   ServeOptions options_;
   std::string model_name_;
@@ -328,7 +406,13 @@ class Service {
   std::unique_ptr<EngineLoop> loop_;
 
   std::mutex update_mutex_;
+  bool session_ = false;                         // between /start_weight_update and /finish_weight_update
   std::map<std::string, torch::Tensor> staged_;  // tensors of /update_weights, applied at /finish_weight_update
+
+  mutable std::mutex gate_mutex_;   // /pause?mode=wait against generation requests
+  std::condition_variable drained_;
+  bool rejecting_ = false;          // a mode=wait pause holds: new generation requests get 503
+  int64_t in_flight_ = 0;           // generation requests admitted and not yet answered
 };
 
 Service::Service(const ServeOptions& options, LoadedModel m)
@@ -546,8 +630,29 @@ std::vector<std::vector<int32_t>> Service::parse_prompts(const json& body) const
   return out;
 }
 
+// Counts a generation request from admission to answer, for /pause?mode=wait; while such a
+// pause holds, new ones get vLLM's 503 (RetryableRequestError), which clients retry.
+void Service::admit() {
+  std::lock_guard lock(gate_mutex_);
+  if (rejecting_) throw HttpError(503, "ServiceUnavailableError", "", "Generation is paused. Please retry after it resumes.");
+  ++in_flight_;
+}
+
+void Service::leave() {
+  {
+    std::lock_guard lock(gate_mutex_);
+    --in_flight_;
+  }
+  drained_.notify_all();
+}
+
 // Runs every prompt as its own engine request, all at once, so they share the batch.
 std::vector<std::vector<Completion>> Service::generate(const std::vector<std::vector<int32_t>>& prompts, const Sampling& s) {
+  admit();
+  struct Leave {
+    Service* service;
+    ~Leave() { service->leave(); }
+  } answered{this};
   std::vector<std::future<std::vector<Completion>>> futures;
   for (const auto& p : prompts) futures.push_back(loop_->submit(p, s.params));
   std::vector<std::vector<Completion>> out;
@@ -775,114 +880,272 @@ json Service::detokenize(const json& body) const {
 }
 
 // ---------------------------------------------------------------------------------------
-// Weight updates from disk, with vLLM's endpoint names. Tensors are checked and staged by
-// /update_weights and copied into the engine together with the new version at
-// /finish_weight_update, so no token is ever labelled with a version it did not come from.
+// Weight updates with vLLM 0.33.0's routes, from a folder of .safetensors, two ways: vLLM's
+// weight-transfer protocol with the shared-disk backend (init_info {}, update_info {"path": DIR},
+// as vLLM's `disk` backend after 0.33.0) and vLLM's disk reload (/collective_rpc reload_weights).
+// Tensors are checked and staged first, then copied between two decode steps together with the
+// new version, so no token is ever labelled with a version it did not come from. NCCL's
+// init_info is checked, then refused: its bytes need a CUDA device and an NCCL receiver.
 
+const std::vector<std::string> kNcclInitFields = {"master_address", "master_port", "rank_offset",
+                                                  "world_size", "nccl_unique_id_b64", "packed",
+                                                  "packed_buffer_size_bytes", "packed_num_buffers"};
+
+// vLLM's NCCLWeightTransferInitInfo (nccl_common.py), field by field, so a client learns what is
+// wrong with its request before it learns that troupe serve cannot take it.
+void Service::check_nccl_init(const json& info) const {
+  nested("init_info", [&] {
+    for (const char* key : {"rank_offset", "world_size"})
+      if (!int_field(info, key)) bad(key, std::string("`") + key + "` is required by the nccl backend");
+    if (*int_field(info, "world_size") < 2)
+      bad("world_size", "`world_size` counts the trainer's ranks and the server's, so it is at least 2");
+    for (const char* key : {"master_port", "packed_buffer_size_bytes", "packed_num_buffers"}) int_field(info, key);
+    bool_field(info, "packed");
+    auto uid = string_field(info, "nccl_unique_id_b64");
+    const bool tcp = string_field(info, "master_address") || int_field(info, "master_port");
+    if (uid && tcp) bad("nccl_unique_id_b64", "pass `nccl_unique_id_b64` or `master_address` and `master_port`, not both");
+    if (!uid && !(field(info, "master_address") && field(info, "master_port")))
+      bad("nccl_unique_id_b64", "need `nccl_unique_id_b64`, or both `master_address` and `master_port`");
+    if (!uid) return;
+    auto bytes = base64_decode(*uid);
+    if (!bytes) bad("nccl_unique_id_b64", "`nccl_unique_id_b64` is not valid standard base64 (URL-safe base64 is not accepted)");
+    if (bytes->size() != 128)
+      bad("nccl_unique_id_b64", "`nccl_unique_id_b64` must decode to the 128 bytes of an ncclUniqueId, got " +
+                                    std::to_string(bytes->size()));
+  });
+  const std::string instead = "; send init_info {} and update_info {\"path\": DIR} (the disk backend), or use /collective_rpc reload_weights";
+  if (options_.device.rfind("cpu", 0) == 0)
+    bad("init_info", "/init_weight_transfer_engine: NCCL weight transfer needs a CUDA device, and troupe serve runs on " +
+                         options_.device + instead);
+  bad("init_info", "/init_weight_transfer_engine: troupe serve has no NCCL receiver" + instead);
+}
+
+// init_info {} is the disk backend, which needs no rendezvous; NCCL's fields are checked, then refused.
+json Service::init_weight_transfer_engine(const json& body) const {
+  check_fields(body, "/init_weight_transfer_engine", {"init_info"}, {});
+  const json* info = field(body, "init_info");
+  if (!info) bad("init_info", "Missing 'init_info' in request body: {} for the disk backend");
+  if (!info->is_object()) bad("init_info", "`init_info` must be an object, got " + type_name(*info));
+  for (const auto& [key, value] : info->items())
+    if (std::find(kNcclInitFields.begin(), kNcclInitFields.end(), key) == kNcclInitFields.end())
+      bad("init_info." + key, "`init_info." + key + "` is a field of neither the disk backend (init_info {}) nor the nccl backend");
+  if (!info->empty()) check_nccl_init(*info);
+  return {{"message", "Weight transfer initialized"}};
+}
+
+// As vLLM: no pause here (that is /pause's), and one session at a time.
 json Service::start_weight_update(const json& body) {
   check_fields(body, "/start_weight_update", {}, {{"is_checkpoint_format", {true}}});
-  loop_->pause();
   std::lock_guard lock(update_mutex_);
+  if (session_) conflict("/start_weight_update: a weight update is already active; call /finish_weight_update first");
+  session_ = true;
   staged_.clear();
   return {{"message", "Weight update started"}};
 }
 
-std::map<std::string, torch::Tensor> Service::read_update_dir(const std::string& path) const {
-  const std::string param = "update_info.path";
+std::map<std::string, torch::Tensor> Service::read_update_dir(const std::string& path, const std::string& param) const {
   std::error_code ec;
-  if (!fs::is_directory(path, ec)) bad(param, "update_weights: '" + path + "' is not a directory (send a folder of .safetensors files)");
+  if (!fs::is_directory(path, ec)) bad(param, param + ": '" + path + "' is not a directory (send a folder of .safetensors files)");
   std::map<std::string, torch::Tensor> weights;
   try {
     weights = read_safetensors(safetensors::Checkpoint::open_dir(path));
   } catch (const std::exception& e) {
-    bad(param, std::string("update_weights: ") + e.what());
+    bad(param, param + ": " + e.what());
   }
   std::map<std::string, torch::Tensor> kept;
   for (auto& [name, t] : weights) {
     // As transformers does on load: rotary tables are recomputed, a tied head is the embedding.
     if (name.ends_with("rotary_emb.inv_freq") || (name == "lm_head.weight" && config_.tie_word_embeddings)) continue;
     auto it = param_shapes_.find(name);
-    if (it == param_shapes_.end())
-      bad(param, "update_weights: " + path + ": tensor '" + name + "' is not a parameter of the served model");
+    if (it == param_shapes_.end()) bad(param, param + ": " + path + ": tensor '" + name + "' is not a parameter of the served model");
     if (shape_of(t) != it->second)
-      bad(param, "update_weights: " + path + ": tensor '" + name + "' has shape " + shape_str(shape_of(t)) +
-                     ", the model's is " + shape_str(it->second));
-    if (!t.is_floating_point())
-      bad(param, "update_weights: " + path + ": tensor '" + name + "' is not floating point");
+      bad(param, param + ": " + path + ": tensor '" + name + "' has shape " + shape_str(shape_of(t)) + ", the model's is " +
+                     shape_str(it->second));
+    if (!t.is_floating_point()) bad(param, param + ": " + path + ": tensor '" + name + "' is not floating point");
     kept.emplace(name, std::move(t));
   }
-  if (kept.empty()) bad(param, "update_weights: " + path + ": no model parameters in the folder");
+  if (kept.empty()) bad(param, param + ": " + path + ": no model parameters in the folder");
   return kept;
 }
 
-json Service::update_weights(const json& body) {
-  check_fields(body, "/update_weights", {"update_info"}, {});
+// The disk backend's update_info, {"path": an absolute folder}; vLLM's nccl fields are named as such.
+std::string disk_update_path(const json& body) {
   const json* info = field(body, "update_info");
-  if (!info) bad("update_info", "Missing 'update_info' in request body");
-  if (!info->is_object()) bad("update_info", "`update_info` must be an object like {\"path\": \"/abs/dir\"}");
+  if (!info) bad("update_info", "Missing 'update_info' in request body: {\"path\": DIR} for the disk backend");
+  if (!info->is_object())
+    bad("update_info", "`update_info` must be an object like {\"path\": \"/abs/dir\"} (troupe serve runs one worker), got " +
+                           type_name(*info));
+  for (const auto& [key, value] : info->items()) {
+    if (key == "path") continue;
+    if (key == "names" || key == "dtype_names" || key == "shapes")
+      bad("update_info." + key, "`update_info." + key + "` belongs to the nccl backend, whose bytes need a CUDA device; "
+                                "troupe serve takes {\"path\": DIR} (the disk backend)");
+    bad("update_info." + key, "`update_info." + key + "` is not a field of the disk backend ({\"path\": DIR})");
+  }
   const json* path = field(*info, "path");
   if (!path || !path->is_string() || path->get_ref<const std::string&>().empty())
     bad("update_info.path", "`update_info.path` must be a folder of .safetensors files, as a string");
-  auto weights = read_update_dir(path->get<std::string>());
-  const size_t count = weights.size();
-  std::lock_guard lock(update_mutex_);
-  for (auto& [name, t] : weights) staged_.insert_or_assign(name, std::move(t));
-  return {{"message", "Weights updated"}, {"tensors", count}, {"staged", staged_.size()}};
+  if (!fs::path(path->get<std::string>()).is_absolute())
+    bad("update_info.path", "`update_info.path` must be an absolute path, got '" + path->get<std::string>() + "'");
+  return path->get<std::string>();
 }
 
-json Service::finish_weight_update(const json& body) {
-  check_fields(body, "/finish_weight_update", {"weight_version"}, {});
-  int64_t version = loop_->version() + 1;
-  if (const json* v = field(body, "weight_version")) {
-    // Some trainers send the version as a string of digits.
-    if (v->is_string()) {
-      const auto& s = v->get_ref<const std::string&>();
-      if (s.empty() || s.size() > 18 || !std::all_of(s.begin(), s.end(), ::isdigit))
-        bad("weight_version", "`weight_version` must be a non-negative integer, got " + v->dump());
-      version = std::stoll(s);
-    } else {
-      version = *int_field(body, "weight_version");
-      if (version < 0) bad("weight_version", "`weight_version` must be a non-negative integer, got " + v->dump());
-    }
+// One checkpoint per session, as vLLM's disk backend; a folder that fails its checks ends the session.
+json Service::update_weights(const json& body) {
+  check_fields(body, "/update_weights", {"update_info"}, {});
+  const std::string path = disk_update_path(body);
+  std::lock_guard lock(update_mutex_);
+  if (!session_) conflict("/update_weights: no weight update is active; call /start_weight_update first");
+  if (!staged_.empty()) {
+    session_ = false;
+    staged_.clear();
+    conflict("/update_weights: the disk backend takes one checkpoint per update session; the session is closed");
   }
-  std::map<std::string, torch::Tensor> weights;
-  {
-    std::lock_guard lock(update_mutex_);
-    weights.swap(staged_);
+  try {
+    staged_ = read_update_dir(path, "update_info.path");
+  } catch (...) {
+    session_ = false;
+    throw;
   }
-  const size_t count = weights.size();
+  return {{"message", "Weights updated"}, {"tensors", staged_.size()}};
+}
+
+void Service::apply(std::map<std::string, torch::Tensor> weights, int64_t version) {
   try {
     loop_->update_weights(std::move(weights), version).get();
-  } catch (const Error& e) {
-    loop_->resume();  // the engine checks before copying: the old weights are intact
+  } catch (const Error& e) {  // the engine checks before copying: the old weights are intact
     if (loop_->stopped()) throw HttpError(503, "ServiceUnavailableError", "", e.what());
     bad("", e.what());
   }
-  loop_->resume();
+}
+
+// Without a weight_version the version still moves (vLLM's stays): a new policy needs a new label.
+json Service::finish_weight_update(const json& body) {
+  check_fields(body, "/finish_weight_update", {"weight_version"}, {});
+  const int64_t version = field(body, "weight_version") ? version_field(body, "weight_version") : loop_->version() + 1;
+  std::map<std::string, torch::Tensor> weights;
+  {
+    std::lock_guard lock(update_mutex_);
+    if (!session_) conflict("/finish_weight_update: no weight update is active; call /start_weight_update first");
+    session_ = false;
+    weights.swap(staged_);
+  }
+  if (weights.empty())
+    conflict("/finish_weight_update: no checkpoint was loaded in this session (/update_weights goes between start and finish)");
+  const size_t count = weights.size();
+  apply(std::move(weights), version);
   return {{"message", "Weight update finished"}, {"weight_version", version}, {"tensors", count}};
 }
 
-json Service::pause() {
+// vLLM's /collective_rpc for the one method a trainer needs of it: reload_weights from a folder.
+// The version moves by one (vLLM's stays until /update_weight_version), as at finish.
+json Service::collective_rpc(const json& body) {
+  check_fields(body, "/collective_rpc", {"method", "args", "kwargs", "timeout"}, {});
+  auto method = string_field(body, "method");
+  if (!method) bad("method", "Missing 'method' in request body");
+  if (*method != "reload_weights") bad("method", "/collective_rpc: troupe serve runs only reload_weights, got '" + *method + "'");
+  const json* args = field(body, "args");
+  if (args && !(args->is_array() && args->empty()))
+    bad("args", "/collective_rpc reload_weights: `args` must be empty; pass weights_path in `kwargs`");
+  number_field(body, "timeout");  // checked only: a reload is not cut short
+  const json* kwargs = field(body, "kwargs");
+  if (!kwargs || !kwargs->is_object()) bad("kwargs", "`kwargs` must be an object holding weights_path");
+  std::string path;
+  nested("kwargs", [&] {
+    for (const auto& [key, value] : kwargs->items())
+      if (key != "weights_path" && key != "is_checkpoint_format")
+        bad(key, "`" + key + "` is not an argument of reload_weights from disk (weights_path, is_checkpoint_format)");
+    if (!bool_field(*kwargs, "is_checkpoint_format").value_or(true))
+      bad("is_checkpoint_format", "troupe serve reloads checkpoint-format (Hugging Face) tensors only");
+    auto p = string_field(*kwargs, "weights_path");
+    if (!p || p->empty()) bad("weights_path", "`weights_path` is required: troupe serve reloads from a folder of .safetensors only");
+    if (!fs::path(*p).is_absolute()) bad("weights_path", "`weights_path` must be an absolute path, got '" + *p + "'");
+    path = *p;
+  });
+  {
+    std::lock_guard lock(update_mutex_);
+    if (session_) conflict("/collective_rpc reload_weights: a weight update is active; call /finish_weight_update first");
+  }
+  apply(read_update_dir(path, "kwargs.weights_path"), loop_->version() + 1);
+  return {{"results", json::array({nullptr})}};  // one worker; reload_weights returns None
+}
+
+json Service::update_weight_version(const json& body) {
+  check_fields(body, "/update_weight_version", {"new_version"}, {});
+  if (!field(body, "new_version")) bad("new_version", "`new_version` is required");
+  apply({}, version_field(body, "new_version"));  // the weights stay; the label of the tokens to come moves
+  return {{"success", true}, {"new_version", body.at("new_version")}};
+}
+
+// Nothing to reset: troupe's KV cache holds running sequences only, so no prefix outlives its
+// request. The flags are checked all the same.
+json Service::reset_prefix_cache(const json& query) const {
+  check_fields(query, "/reset_prefix_cache", {"reset_running_requests", "reset_external"}, {});
+  query_flag(query, "reset_running_requests", false);
+  query_flag(query, "reset_external", false);
+  return {{"success", true}};
+}
+
+// vLLM's /pause?mode=: "wait" lets admitted requests finish and answers new ones 503 until
+// /resume; "keep" freezes running sequences in their slots and queues new requests. "abort",
+// vLLM's default, is refused: the engine loop cannot cut requests short.
+json Service::pause(const json& query) {
+  check_fields(query, "/pause", {"mode", "clear_cache"}, {});
+  const std::string mode = string_field(query, "mode").value_or("abort");
+  query_flag(query, "clear_cache", true);  // checked only: no cached block outlives its request
+  if (mode == "keep") {
+    loop_->pause();
+    return {{"status", "paused"}};
+  }
+  if (mode == "abort")
+    bad("mode", "/pause: mode=abort (vLLM's default) is not supported: troupe serve cannot cut running requests short; "
+                "use mode=wait (they finish) or mode=keep (they freeze)");
+  if (mode != "wait") bad("mode", "/pause: `mode` must be abort, wait or keep, got '" + mode + "'");
+  std::unique_lock lock(gate_mutex_);
+  rejecting_ = true;
+  loop_->resume();  // requests frozen by an earlier keep pause were admitted: they finish too
+  drained_.wait(lock, [&] { return in_flight_ == 0; });
   loop_->pause();
-  return {{"message", "Generation paused"}};
+  return {{"status", "paused"}};
 }
 
 json Service::resume() {
+  {
+    std::lock_guard lock(gate_mutex_);
+    rejecting_ = false;
+  }
   loop_->resume();
-  return {{"message", "Generation resumed"}};
+  return {{"status", "resumed"}};
+}
+
+json Service::is_paused() const {
+  std::lock_guard lock(gate_mutex_);
+  return {{"is_paused", rejecting_ || loop_->paused()}};
 }
 
 // ---------------------------------------------------------------------------------------
 // HTTP wiring.
 
-using Route = std::function<json(const json& body)>;
+using Route = std::function<json(const json& input)>;
+
+// What a route reads: its JSON body (which may be empty), or its query string as an object of strings.
+enum class Input { body, body_or_empty, query };
+
+json query_of(const httplib::Request& req) {
+  json query = json::object();
+  for (const auto& [key, value] : req.params) query[key] = value;
+  return query;
+}
 
 // Turns every exception into vLLM's error body: a crash in one request must not take the
 // server (and everyone else's requests) down.
-httplib::Server::Handler json_route(Route route, bool empty_body_ok = false) {
-  return [route = std::move(route), empty_body_ok](const httplib::Request& req, httplib::Response& res) {
+httplib::Server::Handler json_route(Route route, Input input = Input::body) {
+  return [route = std::move(route), input](const httplib::Request& req, httplib::Response& res) {
     try {
-      json out = route(req.method == "GET" ? json::object() : parse_body(req, empty_body_ok));
+      json in = input == Input::query ? query_of(req)
+                : req.method == "GET" ? json::object()
+                                      : parse_body(req, input == Input::body_or_empty);
+      json out = route(in);
       if (out.is_null()) {
         res.status = 200;  // /health: an empty 200, as vLLM answers
         return;
@@ -901,19 +1164,25 @@ httplib::Server::Handler json_route(Route route, bool empty_body_ok = false) {
 
 void add_routes(httplib::Server& http, Service& service) {
   Service* s = &service;
+  const Input empty_ok = Input::body_or_empty, query = Input::query;
   http.Get("/health", json_route([s](const json&) { return s->health(); }));
   http.Get("/v1/models", json_route([s](const json&) { return s->models(); }));
   http.Get("/is_paused", json_route([s](const json&) { return s->is_paused(); }));
-  http.Get("/get_weight_version", json_route([s](const json&) { return s->weight_version(); }));
+  http.Get("/weight_info", json_route([s](const json&) { return s->weight_info(); }));
+  http.Get("/get_world_size", json_route([s](const json&) { return s->world_size(); }));
   http.Post("/v1/completions", json_route([s](const json& b) { return s->completions(b); }));
   http.Post("/v1/chat/completions", json_route([s](const json& b) { return s->chat_completions(b); }));
   http.Post("/tokenize", json_route([s](const json& b) { return s->tokenize(b); }));
   http.Post("/detokenize", json_route([s](const json& b) { return s->detokenize(b); }));
-  http.Post("/start_weight_update", json_route([s](const json& b) { return s->start_weight_update(b); }, true));
+  http.Post("/init_weight_transfer_engine", json_route([s](const json& b) { return s->init_weight_transfer_engine(b); }));
+  http.Post("/start_weight_update", json_route([s](const json& b) { return s->start_weight_update(b); }, empty_ok));
   http.Post("/update_weights", json_route([s](const json& b) { return s->update_weights(b); }));
-  http.Post("/finish_weight_update", json_route([s](const json& b) { return s->finish_weight_update(b); }, true));
-  http.Post("/pause", json_route([s](const json&) { return s->pause(); }, true));
-  http.Post("/resume", json_route([s](const json&) { return s->resume(); }, true));
+  http.Post("/finish_weight_update", json_route([s](const json& b) { return s->finish_weight_update(b); }, empty_ok));
+  http.Post("/update_weight_version", json_route([s](const json& b) { return s->update_weight_version(b); }));
+  http.Post("/collective_rpc", json_route([s](const json& b) { return s->collective_rpc(b); }));
+  http.Post("/reset_prefix_cache", json_route([s](const json& q) { return s->reset_prefix_cache(q); }, query));
+  http.Post("/pause", json_route([s](const json& q) { return s->pause(q); }, query));
+  http.Post("/resume", json_route([s](const json&) { return s->resume(); }, empty_ok));
 }
 
 void configure_http(httplib::Server& http, Service& service) {

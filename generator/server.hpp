@@ -1,5 +1,6 @@
 // `troupe serve`: vLLM's OpenAI-compatible HTTP API (completions, chat, tokenize, weight
-// updates from disk) over one batched Engine. Non-streaming only; no TLS, no multi-model routing.
+// updates from disk) over one batched Engine. Non-streaming only; no TLS, no multi-model
+// routing, no NCCL weight transfer.
 #pragma once
 
 #include <cstddef>
@@ -26,12 +27,20 @@ struct ServeOptions {
   int64_t max_prompts = 256;      // prompts in one batched /v1/completions request
 };
 
-// Routes (vLLM's names and shapes): GET /health, /v1/models, /is_paused, /get_weight_version;
-// POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /pause, /resume,
-// /start_weight_update, /update_weights {"update_info": {"path": DIR}}, /finish_weight_update
-// {"weight_version": N}. Tensors of /update_weights are checked and staged, then copied between
-// two decode steps together with the version at /finish_weight_update; /pause keeps running
-// sequences in their slots (vLLM's mode "keep").
+// Routes (vLLM 0.33.0's names, fields and answers): GET /health, /v1/models, /is_paused,
+// /weight_info, /get_world_size; POST /v1/completions, /v1/chat/completions, /tokenize,
+// /detokenize, and the weight sync of a trainer:
+//   /pause?mode=wait|keep (wait: admitted requests finish, new ones get 503 until /resume;
+//   keep: running sequences freeze, new ones queue; mode=abort, vLLM's default, is refused),
+//   /resume, /reset_prefix_cache (nothing outlives a request here: always {"success": true}),
+//   /init_weight_transfer_engine {"init_info": {}}, /start_weight_update,
+//   /update_weights {"update_info": {"path": DIR}}, /finish_weight_update {"weight_version": "N"}
+//   (vLLM's weight-transfer protocol with its shared-disk backend; NCCL's init_info is checked,
+//   then refused), /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}},
+//   /update_weight_version {"new_version": "N"}.
+// DIR is an absolute folder of .safetensors; its tensors are checked and staged, then copied
+// between two decode steps together with the new version (integers here: vLLM's version strings
+// must be digits).
 // RL extension: every choice carries "troupe": {"min_version", "max_version"}, the policy versions
 // of the weights that produced its tokens. Log-probs ("logprobs") are the behaviour log-probs:
 // log-softmax(logits / temperature) (temperature 1 when greedy), before top-k/top-p/min-p

@@ -1,5 +1,6 @@
 // RemoteEngine against servers it shares no code with: a fake vLLM in this file (error paths,
-// retries, answer parsing, weight sync calls), llama-cpp-python's server, and `troupe serve`.
+// retries, answer parsing, vLLM 0.33.0's weight-sync routes), llama-cpp-python's server, and
+// `troupe serve` (generation, and weights pushed by reload and by the disk backend).
 #include <doctest/doctest.h>
 
 #include <fcntl.h>
@@ -11,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -27,6 +29,7 @@
 
 #include <httplib.h>
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "generator/engine.hpp"
@@ -54,6 +57,7 @@ struct FakeServer {
   int port = 0;
   std::mutex mutex;
   std::vector<std::pair<std::string, json>> requests;  // (path, body or null)
+  std::vector<json> queries;                           // each request's query parameters, as strings
   std::vector<std::string> authorizations;
 
   explicit FakeServer(Handler handler) {
@@ -62,6 +66,9 @@ struct FakeServer {
       {
         std::lock_guard lock(mutex);
         requests.emplace_back(req.path, json::parse(req.body, nullptr, false));
+        json query = json::object();
+        for (const auto& [key, value] : req.params) query[key] = value;
+        queries.push_back(query);
         authorizations.push_back(req.get_header_value("Authorization"));
         call = static_cast<int>(requests.size());
       }
@@ -83,6 +90,16 @@ struct FakeServer {
   int calls() {
     std::lock_guard lock(mutex);
     return static_cast<int>(requests.size());
+  }
+  std::vector<std::string> paths() {
+    std::lock_guard lock(mutex);
+    std::vector<std::string> out;
+    for (const auto& r : requests) out.push_back(r.first);
+    return out;
+  }
+  bool received(const std::string& path) {
+    std::lock_guard lock(mutex);
+    return std::any_of(requests.begin(), requests.end(), [&](const auto& r) { return r.first == path; });
   }
 };
 
@@ -110,6 +127,78 @@ json vllm_answer(const json& request) {
   for (int s = request["n"].get<int>() - 1; s >= 0; --s)  // reversed: the client must sort by index
     choices.push_back(vllm_choice(s, {first + s, 7}, {-0.5f, -1.0f}, "length"));
   return {{"id", "cmpl-1"}, {"object", "text_completion"}, {"choices", choices}};
+}
+
+// vLLM 0.33.0's weight-sync routes as its source defines them (vllm/entrypoints/rl/online/
+// api_router.py, serve/dev/cache and serve/dev/rpc): their answers, and the 400 of its validation
+// handler for a missing or mistyped body field. Returns false for any other route.
+bool vllm_weight_route(const httplib::Request& req, httplib::Response& res) {
+  const json body = req.body.empty() ? json::object() : json::parse(req.body, nullptr, false);
+  auto invalid = [&](const std::string& param) {
+    reply_json(res, {{"error", {{"message", "1 validation error"}, {"type", "Bad Request"}, {"param", param}, {"code", 400}}}}, 400);
+    return true;
+  };
+  auto member = [&](const char* key) { return body.is_object() && body.contains(key) ? body[key] : json(); };
+  const std::string& path = req.path;
+  if (path == "/pause") {
+    const std::string mode = req.has_param("mode") ? req.get_param_value("mode") : "abort";
+    if (mode != "abort" && mode != "wait" && mode != "keep") return invalid("query.mode");
+    reply_json(res, {{"status", "paused"}});
+  } else if (path == "/resume") {
+    reply_json(res, {{"status", "resumed"}});
+  } else if (path == "/init_weight_transfer_engine") {
+    if (!member("init_info").is_object()) return invalid("body.init_info");
+    reply_json(res, {{"message", "Weight transfer initialized"}});
+  } else if (path == "/start_weight_update") {
+    reply_json(res, {{"message", "Weight update started"}});
+  } else if (path == "/update_weights") {
+    if (!member("update_info").is_object() && !member("update_info").is_array()) return invalid("body.update_info");
+    reply_json(res, {{"message", "Weights updated"}});
+  } else if (path == "/finish_weight_update") {
+    if (!member("weight_version").is_null() && !member("weight_version").is_string()) return invalid("body.weight_version");
+    reply_json(res, {{"message", "Weight update finished"}});
+  } else if (path == "/update_weight_version") {
+    if (!member("new_version").is_string()) return invalid("body.new_version");
+    reply_json(res, {{"success", true}, {"new_version", member("new_version")}});
+  } else if (path == "/reset_prefix_cache") {
+    reply_json(res, {{"success", true}});
+  } else if (path == "/collective_rpc") {
+    if (member("method").is_string()) reply_json(res, {{"results", json::array({nullptr})}});
+    else reply_json(res, {{"detail", "Missing 'method' in request body"}}, 400);
+  } else if (path == "/get_world_size") {
+    reply_json(res, {{"world_size", 1}});
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// A fake vLLM that generates and takes weights.
+FakeServer::Handler vllm_with_weight_routes() {
+  return [](const httplib::Request& req, httplib::Response& res, int) {
+    if (req.path == "/v1/completions") return reply_json(res, vllm_answer(json::parse(req.body)));
+    if (!vllm_weight_route(req, res)) res.status = 404;
+  };
+}
+
+// Two tensors in the dtypes vLLM names "float32" and "bfloat16".
+std::map<std::string, torch::Tensor> two_tensors() {
+  return {{"model.layers.0.mlp.up_proj.weight", torch::arange(6, torch::kFloat32).reshape({2, 3})},
+          {"model.norm.weight", torch::tensor({1.5, -2.0}, torch::kBFloat16)}};
+}
+
+// The folder update_weights wrote holds exactly `weights`, dtypes included.
+void check_checkpoint(const fs::path& sent, const fs::path& dir, const std::map<std::string, torch::Tensor>& weights) {
+  CHECK(sent.is_absolute());
+  CHECK(fs::equivalent(sent, dir));
+  auto checkpoint = safetensors::Checkpoint::open_dir(sent);
+  auto read = read_safetensors(checkpoint);
+  REQUIRE(read.size() == weights.size());
+  for (const auto& [name, t] : weights) {
+    CAPTURE(name);
+    CHECK((read.at(name).scalar_type() == t.scalar_type()));
+    CHECK(torch::equal(read.at(name), t));
+  }
 }
 
 // A port nobody listens on (bound, then released).
@@ -233,6 +322,39 @@ size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& 
   return k;
 }
 
+// After `pusher` pushes `weights` as `version` (and the local engine takes them too), the
+// server's greedy tokens and log-probs are the local engine's under the new weights.
+struct PushCheck {
+  RemoteEngine& pusher;
+  RemoteEngine& reader;
+  Engine& local;
+  const std::vector<std::vector<int32_t>>& prompts;
+  const SamplingParams& params;
+};
+
+std::vector<Completion> push_and_compare(const PushCheck& c, const std::map<std::string, torch::Tensor>& weights,
+                                         int64_t version) {
+  c.pusher.update_weights(weights, version, temp_dir("serve") / ("weights_v" + std::to_string(version)));
+  c.local.update_weights(weights, version);
+  CHECK(c.pusher.version() == version);
+  CHECK(c.reader.get("/is_paused")["is_paused"] == false);  // the window closed with /resume
+  CHECK(c.reader.get("/weight_info")["weight_version"] == version);
+  auto after = c.reader.generate(c.prompts, c.params);
+  auto reference = c.local.generate(c.prompts, c.params);
+  REQUIRE(after.size() == reference.size());
+  for (size_t i = 0; i < after.size(); ++i) {
+    CAPTURE(version);
+    CAPTURE(i);
+    CHECK(after[i].ids == reference[i].ids);
+    REQUIRE(after[i].logprobs.size() == reference[i].logprobs.size());
+    for (size_t t = 0; t < after[i].logprobs.size(); ++t)
+      CHECK(after[i].logprobs[t] == doctest::Approx(reference[i].logprobs[t]).epsilon(1e-3));
+    CHECK(after[i].min_version == version);
+    CHECK(after[i].max_version == version);
+  }
+  return after;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- error paths and parsing
@@ -243,8 +365,9 @@ TEST_CASE("a server that is down: the error names the URL and the tries") {
   CHECK_FALSE(remote.health());
   CHECK(error_of([&] { remote.generate({{1, 2, 3}}, {}); }) ==
         url + "/v1/completions: cannot connect (connection refused or host unreachable) after 3 tries");
+  // A weight-sync step is tried once: a second start or update could open or fill another session.
   auto weights_error = error_of([&] { remote.update_weights({{"w", torch::ones({2})}}, 1, temp_dir("down")); });
-  CHECK(weights_error.starts_with(url + "/start_weight_update: cannot connect"));
+  CHECK(weights_error == url + "/pause?mode=wait: cannot connect (connection refused or host unreachable) after 1 try");
   CHECK(remote.version() == 0);  // nothing was pushed
   auto waited = error_of([&] { remote.wait_healthy(0.3); });
   CHECK(waited.starts_with(url + "/health: not healthy after"));
@@ -255,6 +378,8 @@ TEST_CASE("bad URLs and options are refused up front") {
   CHECK(error_of([] { RemoteEngine("http://"); }).find("expected http://host:port") != std::string::npos);
   CHECK(error_of([] { RemoteEngine("http://h:1", {.tries = 0}); }).find("tries") != std::string::npos);
   CHECK(error_of([] { RemoteEngine("http://h:1", {.text_prompts = true}); }).find("tokenizer") != std::string::npos);
+  CHECK(error_of([] { RemoteEngine("http://h:1", {.weight_transfer = "ftp"}); }) ==
+        "http://h:1: weight_transfer must be reload, disk or nccl, got 'ftp'");
 }
 
 TEST_CASE("a vLLM answer fills Completion like the engine: order, ids, log-probs, stop reasons") {
@@ -444,49 +569,167 @@ TEST_CASE("5xx and timeouts are retried with backoff; 4xx are not") {
   }
 }
 
-TEST_CASE("update_weights writes a safetensors folder and calls vLLM's three endpoints") {
-  FakeServer server([](const httplib::Request& req, httplib::Response& res, int) {
-    if (req.path == "/v1/completions") return reply_json(res, vllm_answer(json::parse(req.body)));
-    res.status = 200;  // vLLM answers these with an empty body
-  });
+TEST_CASE("reload, the default: a safetensors folder, then vLLM's disk reload inside its pause window") {
+  FakeServer server(vllm_with_weight_routes());
   RemoteEngine remote(server.url(), fast_retries());
-  auto w = torch::arange(6, torch::kFloat32).reshape({2, 3});
-  auto b = torch::tensor({1.5, -2.0}, torch::kBFloat16);
-  auto dir = temp_dir("weights") / "v7";
-  remote.update_weights({{"model.layers.0.mlp.up_proj.weight", w}, {"model.norm.weight", b}}, 7, dir);
+  const auto weights = two_tensors();
+  const auto dir = temp_dir("reload") / "v7";
+  remote.update_weights(weights, 7, dir);
   CHECK(remote.version() == 7);
 
-  REQUIRE(server.requests.size() == 3);
-  CHECK(server.requests[0].first == "/start_weight_update");
-  CHECK(server.requests[1].first == "/update_weights");
-  CHECK(server.requests[2].first == "/finish_weight_update");
-  CHECK(server.requests[2].second == json{{"weight_version", 7}});
-  fs::path sent = server.requests[1].second["update_info"]["path"].get<std::string>();
-  CHECK(sent.is_absolute());
-  CHECK(fs::equivalent(sent, dir));
-  auto checkpoint = safetensors::Checkpoint::open_dir(sent);
-  CHECK(checkpoint.names() == std::vector<std::string>{"model.layers.0.mlp.up_proj.weight", "model.norm.weight"});
-  auto read = read_safetensors(checkpoint);
-  CHECK(torch::equal(read.at("model.layers.0.mlp.up_proj.weight"), w));
-  CHECK((read.at("model.norm.weight").scalar_type() == torch::kBFloat16));
-  CHECK(torch::equal(read.at("model.norm.weight"), b));
+  const std::vector<std::string> window = {"/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache",
+                                           "/resume"};
+  REQUIRE(server.paths() == window);
+  CHECK(server.queries[0] == json{{"mode", "wait"}});  // running requests finish; new ones get 503
+  for (size_t i = 1; i < window.size(); ++i) CHECK(server.queries[i] == json::object());
+  const std::string sent = fs::absolute(dir).lexically_normal().string();  // absolute: the server resolves nothing
+  CHECK(server.requests[1].second == json{{"method", "reload_weights"}, {"kwargs", {{"weights_path", sent}}}});
+  check_checkpoint(sent, dir, weights);
+  CHECK(server.requests[2].second == json{{"new_version", "7"}});  // vLLM's versions are strings
+  for (size_t i : {0, 3, 4}) CHECK(server.requests[i].second == json::object());
 
   // A server that reports no versions: completions carry the version last pushed.
   auto out = remote.generate({{1}}, {});
   CHECK(out[0].min_version == 7);
   CHECK(out[0].max_version == 7);
+  remote.update_weights(weights, 8, temp_dir("reload") / "v8");  // every push is the same window
+  auto paths = server.paths();
+  CHECK(std::vector<std::string>(paths.begin() + 6, paths.end()) == window);
+  CHECK(server.requests[8].second == json{{"new_version", "8"}});
 }
 
-TEST_CASE("a refused weight update names the endpoint and keeps the old version") {
-  FakeServer server([](const httplib::Request& req, httplib::Response& res, int) {
-    if (req.path == "/update_weights") return reply_json(res, {{"error", {{"message", "no such tensor"}}}}, 400);
-    res.status = 200;
+TEST_CASE("disk: vLLM's weight-transfer protocol, init once, then start, update {path}, finish per push") {
+  FakeServer server(vllm_with_weight_routes());
+  RemoteOptions options = fast_retries();
+  options.weight_transfer = "disk";
+  RemoteEngine remote(server.url(), options);
+  const auto weights = two_tensors();
+  remote.update_weights(weights, 7, temp_dir("disk") / "v7");
+  remote.update_weights(weights, 8, temp_dir("disk") / "v8");
+  CHECK(remote.version() == 8);
+
+  const std::vector<std::string> push = {"/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                                         "/reset_prefix_cache", "/resume"};
+  std::vector<std::string> expected = {"/init_weight_transfer_engine"};
+  for (int i = 0; i < 2; ++i) expected.insert(expected.end(), push.begin(), push.end());
+  REQUIRE(server.paths() == expected);
+  CHECK(server.requests[0].second == json{{"init_info", json::object()}});  // the disk backend has no init fields
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    const size_t at = 1 + round * push.size();
+    CHECK(server.queries[at] == json{{"mode", "wait"}});
+    CHECK(server.requests[at + 1].second == json::object());
+    const fs::path dir = temp_dir("disk") / (round ? "v8" : "v7");
+    CHECK(server.requests[at + 2].second == json{{"update_info", {{"path", dir.lexically_normal().string()}}}});
+    check_checkpoint(dir, dir, weights);
+    CHECK(server.requests[at + 3].second == json{{"weight_version", round ? "8" : "7"}});
+    CHECK(server.requests[at + 4].second == json::object());
+  }
+}
+
+TEST_CASE("nccl: refused without a CUDA device; with one, vLLM's handshake around the caller's broadcasts") {
+  RemoteOptions options = fast_retries();
+  options.weight_transfer = "nccl";
+  if (!torch::cuda::is_available()) {
+    CHECK(error_of([&] { RemoteEngine("http://127.0.0.1:1", options); }) ==
+          "http://127.0.0.1:1: NCCL weight transfer needs a CUDA device, and none is visible; on CPU use "
+          "weight_transfer = \"reload\" (any vLLM) or \"disk\"");
+    return;
+  }
+  CHECK(error_of([&] { RemoteEngine("http://127.0.0.1:1", options); }).find("needs nccl.connect") != std::string::npos);
+
+  // vLLM's init and update answer only once rank 0 has joined and broadcast everything, and
+  // rank 0 can do neither before the server is in the call: both sides wait for the other here.
+  std::atomic<int64_t> joined{0};
+  std::atomic<size_t> sent{0}, updates{0};
+  auto wait_until = [](const std::function<bool()>& done) {
+    for (int i = 0; i < 1000 && !done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return done();
+  };
+  FakeServer server([&](const httplib::Request& req, httplib::Response& res, int) {
+    if (req.path == "/init_weight_transfer_engine" && !wait_until([&] { return joined != 0; })) return reply_json(res, {}, 500);
+    if (req.path == "/update_weights") {
+      const size_t want = 2 * ++updates;  // both tensors of this push
+      if (!wait_until([&] { return sent >= want; })) return reply_json(res, {}, 500);
+    }
+    if (!vllm_weight_route(req, res)) res.status = 404;
   });
-  RemoteEngine remote(server.url(), fast_retries());
-  auto message = error_of([&] { remote.update_weights({{"x", torch::ones({1})}}, 2, temp_dir("refused")); });
-  CHECK(message == server.url() + "/update_weights: HTTP 400: \"no such tensor\"");
-  CHECK(remote.version() == 0);
-  CHECK(server.calls() == 2);  // finish is not called after a failed update
+  std::vector<torch::Tensor> broadcasts;
+  bool concurrent = true;
+  for (int i = 0; i < 128; ++i) options.nccl.unique_id += static_cast<char>((i * 37 + 11) % 256);
+  options.nccl.connect = [&](int64_t world_size) {
+    concurrent = concurrent && wait_until([&] { return server.received("/init_weight_transfer_engine"); });
+    joined = world_size;
+  };
+  options.nccl.broadcast = [&](const torch::Tensor& t) {
+    concurrent = concurrent && wait_until([&] { return server.received("/update_weights"); });
+    broadcasts.push_back(t.clone());
+    ++sent;
+  };
+  RemoteEngine remote(server.url(), options);
+  const auto weights = two_tensors();
+  remote.update_weights(weights, 7, temp_dir("nccl"));
+  CHECK(concurrent);
+  CHECK(joined == 2);  // this process and the server's one worker
+
+  const std::vector<std::string> expected = {"/get_world_size", "/init_weight_transfer_engine", "/pause",
+                                             "/start_weight_update", "/update_weights", "/finish_weight_update",
+                                             "/reset_prefix_cache", "/resume"};
+  REQUIRE(server.paths() == expected);
+  const std::string uid_b64 = "CzBVep/E6Q4zWH2ix+wRNluApcrvFDleg6jN8hc8YYar0PUaP2SJrtP4HUJnjLHW+yBFao+02f4jSG2St9wBJktw"
+                              "lbrfBClOc5i94gcsUXabwOUKL1R5nsPoDTJXfKHG6xA1Wn+kye4TOF2Cp8zxFjtgharP9Bk+Y4it0vccQWY=";
+  CHECK(server.requests[1].second ==
+        json{{"init_info", {{"nccl_unique_id_b64", uid_b64}, {"rank_offset", 1}, {"world_size", 2}, {"packed", false}}}});
+  CHECK(server.queries[2] == json{{"mode", "wait"}});
+  CHECK(server.requests[4].second ==
+        json{{"update_info", {{"names", {"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}},
+                              {"dtype_names", {"float32", "bfloat16"}},
+                              {"shapes", {{2, 3}, {2}}}}}});
+  CHECK(server.requests[5].second == json{{"weight_version", "7"}});
+  REQUIRE(broadcasts.size() == 2);  // in names order, the bytes as given
+  CHECK(torch::equal(broadcasts[0], weights.at("model.layers.0.mlp.up_proj.weight")));
+  CHECK(torch::equal(broadcasts[1], weights.at("model.norm.weight")));
+
+  remote.update_weights(weights, 8, temp_dir("nccl"));  // joined once: no second rendezvous
+  CHECK(server.calls() == 8 + 6);
+}
+
+TEST_CASE("a refused weight update names the route and keeps the old version; the server stays paused") {
+  SUBCASE("reload: /collective_rpc answers 400") {
+    FakeServer server([](const httplib::Request& req, httplib::Response& res, int) {
+      if (req.path == "/collective_rpc") return reply_json(res, {{"error", {{"message", "no such tensor"}}}}, 400);
+      vllm_weight_route(req, res);
+    });
+    RemoteEngine remote(server.url(), fast_retries());
+    auto message = error_of([&] { remote.update_weights({{"x", torch::ones({1})}}, 2, temp_dir("refused")); });
+    CHECK(message == server.url() + "/collective_rpc: HTTP 400: \"no such tensor\"");
+    CHECK(remote.version() == 0);
+    CHECK(server.paths() == std::vector<std::string>{"/pause", "/collective_rpc"});  // no version, no resume
+  }
+  SUBCASE("disk: a 5xx is not retried, since a second start could open a second session") {
+    FakeServer server([](const httplib::Request& req, httplib::Response& res, int) {
+      if (req.path == "/start_weight_update") return reply_json(res, {{"error", {{"message", "already active"}}}}, 500);
+      vllm_weight_route(req, res);
+    });
+    RemoteOptions options = fast_retries();
+    options.weight_transfer = "disk";
+    RemoteEngine remote(server.url(), options);
+    auto message = error_of([&] { remote.update_weights({{"x", torch::ones({1})}}, 2, temp_dir("refused")); });
+    CHECK(message == server.url() + "/start_weight_update: HTTP 500 (\"already active\") after 1 try");
+    CHECK(remote.version() == 0);
+    CHECK(server.paths() == std::vector<std::string>{"/init_weight_transfer_engine", "/pause", "/start_weight_update"});
+  }
+  SUBCASE("a prefix cache that could not be reset: the error names the route and the field") {
+    FakeServer server([](const httplib::Request& req, httplib::Response& res, int) {
+      if (req.path == "/reset_prefix_cache") return reply_json(res, {{"success", false}});
+      vllm_weight_route(req, res);
+    });
+    RemoteEngine remote(server.url(), fast_retries());
+    auto message = error_of([&] { remote.update_weights({{"x", torch::ones({1})}}, 2, temp_dir("refused")); });
+    CHECK(message.starts_with(server.url() + "/reset_prefix_cache: the answer's 'success' is false"));
+    CHECK(remote.version() == 0);
+    CHECK(server.paths().back() == "/reset_prefix_cache");
+  }
 }
 
 // ---------------------------------------------------------------- llama-cpp-python's server
@@ -557,7 +800,7 @@ TEST_CASE("llama-cpp-python's server on the SmolLM2 GGUF answers our greedy requ
 
 // ---------------------------------------------------------------- troupe serve
 
-TEST_CASE("troupe serve through RemoteEngine: generation, then a weight update changes outputs and versions") {
+TEST_CASE("troupe serve through RemoteEngine: generation, then pushes by reload and by the disk backend") {
   const fs::path gguf = test::smollm2_gguf();
   auto log = temp_dir("serve") / "serve.log";
   ChildProcess child({test::env_dir("TROUPE_BIN").string(), "serve", "--model", gguf.string(), "--port", "0",
@@ -601,23 +844,34 @@ TEST_CASE("troupe serve through RemoteEngine: generation, then a weight update c
   CHECK(sampled[2].index == 2);
 
   // New weights: the final norm scaled per channel changes every logit. Server and local engine
-  // take the same tensors, so their outputs must still agree, and differ from before.
+  // take the same tensors, so the server's greedy tokens and log-probs must be the local
+  // engine's under the new weights, and differ from before.
   auto norm = state_dict(*model.model).at("model.norm.weight").clone();
   auto generator = at::detail::createCPUGenerator(42);
+  auto check_pushed = [&](RemoteEngine& pusher, const torch::Tensor& new_norm, int64_t version) {
+    return push_and_compare({.pusher = pusher, .reader = remote, .local = local, .prompts = prompts, .params = greedy},
+                            {{"model.norm.weight", new_norm}}, version);
+  };
+
+  // reload (the default): /collective_rpc reload_weights, then /update_weight_version.
   auto scaled = norm * (1 + 0.5 * torch::randn(norm.sizes(), generator));
-  remote.update_weights({{"model.norm.weight", scaled}}, 1, temp_dir("serve") / "weights_v1");
-  local.update_weights({{"model.norm.weight", scaled}}, 1);
-  CHECK(remote.version() == 1);
-  auto after = remote.generate(prompts, greedy);
-  auto local_after = local.generate(prompts, greedy);
+  auto after_reload = check_pushed(remote, scaled, 1);
   size_t changed = 0;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    CAPTURE(i);
-    CHECK(after[i].ids == local_after[i].ids);
-    CHECK(after[i].min_version == 1);
-    CHECK(after[i].max_version == 1);
-    changed += after[i].ids != before[i].ids;
-  }
+  for (size_t i = 0; i < prompts.size(); ++i) changed += after_reload[i].ids != before[i].ids;
   CHECK(changed >= 1);
-  MESSAGE(changed << " of " << prompts.size() << " greedy completions changed after the weight update");
+  MESSAGE(changed << " of " << prompts.size() << " greedy completions changed after the reload");
+
+  // The disk backend: init once, then start, update {path}, finish, twice; the second push
+  // writes the original norm back, which restores the first greedy completions exactly.
+  RemoteOptions disk = options;
+  disk.weight_transfer = "disk";
+  RemoteEngine native("http://127.0.0.1:" + m[1].str(), disk, model.tokenizer);
+  check_pushed(native, norm * (1 + 0.5 * torch::randn(norm.sizes(), generator)), 2);
+  auto restored = check_pushed(native, norm, 3);
+  for (size_t i = 0; i < prompts.size(); ++i) CHECK(restored[i].ids == before[i].ids);
+
+  // NCCL is refused before a request is sent: this machine has no CUDA device, or the caller no communicator.
+  RemoteOptions nccl = options;
+  nccl.weight_transfer = "nccl";
+  CHECK(error_of([&] { RemoteEngine("http://127.0.0.1:" + m[1].str(), nccl, model.tokenizer); }).find("NCCL") != std::string::npos);
 }

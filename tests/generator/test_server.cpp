@@ -1,9 +1,12 @@
 // `troupe serve` as a separate process on the real SmolLM2 GGUF, driven by raw HTTP: greedy
-// output against `troupe generate`, bad requests, auth, concurrency, and weight updates from disk.
+// output against `troupe generate`, bad requests, auth, concurrency, pauses, and weight updates
+// through vLLM 0.33.0's routes (weight-transfer protocol with the disk backend, and the disk reload).
 #include <doctest/doctest.h>
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -11,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <httplib.h>
@@ -297,23 +301,65 @@ TEST_CASE("malformed requests get a 400 with vLLM's error body, and the server k
       {"/detokenize", R"({"tokens": [99999999]})", "tokens"},
       {"/detokenize", R"({"tokens": "abc"})", "tokens"},
       {"/update_weights", R"({})", "update_info"},
-      {"/update_weights", R"({"update_info": {"path": "/nonexistent/troupe"}})", "update_info.path"},
       {"/update_weights", R"({"update_info": {"path": 3}})", "update_info.path"},
+      {"/update_weights", R"({"update_info": {"path": "relative/dir"}})", "update_info.path"},
+      {"/update_weights", R"({"update_info": [{"path": "/tmp"}]})", "update_info"},
+      {"/update_weights", R"({"update_info": {"names": ["model.norm.weight"]}})", "update_info.names"},
+      {"/update_weights", R"({"update_info": {"path": "/tmp", "format": "pt"}})", "update_info.format"},
       {"/finish_weight_update", R"({"weight_version": "abc"})", "weight_version"},
       {"/finish_weight_update", R"({"weight_version": -3})", "weight_version"},
+      {"/finish_weight_update", R"({"weight_version": true})", "weight_version"},
+      {"/update_weight_version", R"({})", "new_version"},
+      {"/update_weight_version", R"({"new_version": "v2"})", "new_version"},
+      {"/init_weight_transfer_engine", R"({})", "init_info"},
+      {"/init_weight_transfer_engine", R"({"init_info": []})", "init_info"},
+      {"/init_weight_transfer_engine", R"({"init_info": {"path": "/tmp"}})", "init_info.path"},
+      {"/init_weight_transfer_engine", R"({"init_info": {"rank_offset": 1}})", "init_info.world_size"},
+      {"/init_weight_transfer_engine", R"({"init_info": {"rank_offset": "1", "world_size": 2}})", "init_info.rank_offset"},
+      {"/init_weight_transfer_engine", R"({"init_info": {"rank_offset": 1, "world_size": 2}})", "init_info.nccl_unique_id_b64"},
+      {"/init_weight_transfer_engine", R"({"init_info": {"rank_offset": 1, "world_size": 2, "nccl_unique_id_b64": "not base64!"}})",
+       "init_info.nccl_unique_id_b64"},
+      {"/init_weight_transfer_engine", R"({"init_info": {"rank_offset": 1, "world_size": 2, "nccl_unique_id_b64": "AAAA"}})",
+       "init_info.nccl_unique_id_b64"},
+      {"/init_weight_transfer_engine",
+       R"({"init_info": {"rank_offset": 1, "world_size": 2, "master_address": "h", "master_port": "29500"}})", "init_info.master_port"},
+      {"/collective_rpc", R"({})", "method"},
+      {"/collective_rpc", R"({"method": "sleep"})", "method"},
+      {"/collective_rpc", R"({"method": "reload_weights"})", "kwargs"},
+      {"/collective_rpc", R"({"method": "reload_weights", "kwargs": {}})", "kwargs.weights_path"},
+      {"/collective_rpc", R"({"method": "reload_weights", "kwargs": {"weights_path": "rel/dir"}})", "kwargs.weights_path"},
+      {"/collective_rpc", R"({"method": "reload_weights", "kwargs": {"weights_path": "/nonexistent/troupe"}})", "kwargs.weights_path"},
+      {"/collective_rpc", R"({"method": "reload_weights", "kwargs": {"weights_path": "/tmp", "strict": true}})", "kwargs.strict"},
+      {"/collective_rpc", R"({"method": "reload_weights", "args": ["/tmp"], "kwargs": {"weights_path": "/tmp"}})", "args"},
+      // Query parameters are checked before the pause takes hold, so these leave the server serving.
+      {"/pause", "", "mode"},  // vLLM's default, abort: troupe serve cannot cut running requests short
+      {"/pause?mode=sideways", "", "mode"},
+      {"/pause?mode=wait&clear_cache=maybe", "", "clear_cache"},
+      {"/reset_prefix_cache?reset_external=maybe", "", "reset_external"},
   };
   for (const auto& c : cases) {
-    CAPTURE(c.path);
-    CAPTURE(c.body);
+    const std::string path = c.path, body = c.body;  // doctest prints a const char* as a pointer
+    CAPTURE(path);
+    CAPTURE(body);
     auto r = post_raw(c.path, c.body);
     CHECK(r.status == 400);
     check_error_body(r, 400);
     if (r.body.is_object() && r.body.contains("error")) {
       CHECK(r.body["error"]["type"] == "BadRequestError");
       if (c.param) CHECK(r.body["error"]["param"] == c.param);
-      MESSAGE(c.path << " " << c.body.substr(0, 80) << " -> " << r.body["error"]["message"]);
+      MESSAGE(path << " " << body.substr(0, 80) << " -> " << r.body["error"]["message"]);
     }
   }
+
+  // NCCL's init_info, well formed: refused, naming why (the bytes would need a CUDA device).
+  auto nccl = post("/init_weight_transfer_engine",
+                   {{"init_info", {{"nccl_unique_id_b64", std::string(171, 'A') + "="}, {"rank_offset", 1},
+                                   {"world_size", 2}, {"packed", false}}}});
+  CHECK(nccl.status == 400);
+  check_error_body(nccl, 400);
+  CHECK(nccl.body["error"]["param"] == "init_info");
+  CHECK(nccl.body["error"]["message"].get<std::string>().find("NCCL weight transfer needs a CUDA device") != std::string::npos);
+  CHECK(get("/is_paused").body["is_paused"] == false);
 
   auto unknown_model = post("/v1/completions", {{"model", "gpt-17"}, {"prompt", "hi"}});
   CHECK(unknown_model.status == 404);
@@ -358,8 +404,8 @@ TEST_CASE("concurrent clients share the batch and get the tokens they would get 
   }
 }
 
-TEST_CASE("pause queues requests until resume") {
-  ok("/pause", json::object());
+TEST_CASE("pause with mode=keep queues requests until resume") {
+  CHECK(ok("/pause?mode=keep", json::object()) == json{{"status", "paused"}});
   CHECK(get("/is_paused").body["is_paused"] == true);
   int queued = 0;
   auto c = client();  // made here: assertions must not run on the other thread
@@ -368,91 +414,198 @@ TEST_CASE("pause queues requests until resume") {
     queued = res ? res->status : -1;
   });
   CHECK(get("/health", false).status == 200);  // the server answers while paused
-  ok("/resume", json::object());
+  CHECK(ok("/resume", json::object()) == json{{"status", "resumed"}});
   t.join();
   CHECK(queued == 200);
   CHECK(get("/is_paused").body["is_paused"] == false);
 }
 
+TEST_CASE("pause with mode=wait lets a running request finish, then answers new ones 503 until resume") {
+  std::atomic<int> status{0};
+  json answer;
+  auto c = client();  // made here: assertions must not run on the other thread
+  std::thread t([&] {
+    json body = {{"prompt", kPrompt}, {"max_tokens", 48}, {"temperature", 0}, {"ignore_eos", true}};
+    auto res = c->Post("/v1/completions", body.dump(), "application/json");
+    if (res) answer = json::parse(res->body, nullptr, false);
+    status = res ? res->status : -1;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // admitted by now; 48 tokens take longer
+  CHECK(ok("/pause?mode=wait", json::object()) == json{{"status", "paused"}});
+  // The running request is answered in full while the pause holds (mode=keep would freeze it).
+  for (int i = 0; i < 600 && status == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  CHECK(status == 200);
+  CHECK(get("/is_paused").body["is_paused"] == true);
+
+  auto turned_away = post("/v1/completions", {{"prompt", "hi"}, {"max_tokens", 2}});
+  CHECK(turned_away.status == 503);
+  check_error_body(turned_away, 503);
+  CHECK(turned_away.body["error"]["type"] == "ServiceUnavailableError");
+  CHECK(get("/health", false).status == 200);  // the server answers while paused
+
+  CHECK(ok("/resume", json::object()) == json{{"status", "resumed"}});
+  t.join();
+  CHECK(answer["usage"]["completion_tokens"] == 48);  // not cut short
+  CHECK(get("/is_paused").body["is_paused"] == false);
+  CHECK(ok("/v1/completions", {{"prompt", "hi"}, {"max_tokens", 2}})["choices"].size() == 1);
+}
+
 namespace {
 
-// Copies tensors of a safetensors file into a new folder, negating those named in `flip`
-// (float32: flipping the sign bit is exact).
-void write_update(const fs::path& from, const fs::path& dir, const std::vector<std::string>& names, bool flip) {
+// Writes dir/model.safetensors with the tensors `names` of a float32 safetensors file, negating
+// those in `flip` (flipping the sign bit is exact); the others are written from the mapping.
+void write_tensors(const fs::path& from, const fs::path& dir, const std::vector<std::string>& names,
+                   const std::vector<std::string>& flip) {
   auto file = troupe::safetensors::File::open(from);
-  std::vector<std::vector<uint32_t>> data;
+  std::vector<std::vector<uint32_t>> flipped;
+  flipped.reserve(flip.size());  // no reallocation: refs point into it
   std::vector<troupe::safetensors::TensorRef> refs;
-  data.reserve(names.size());
   for (const auto& name : names) {
     const auto& v = file->at(name);
-    REQUIRE(v.dtype == troupe::safetensors::Dtype::F32);
-    auto& words = data.emplace_back(v.nbytes / 4);
-    std::memcpy(words.data(), v.data, v.nbytes);
-    if (flip)
+    const void* data = v.data;
+    if (std::find(flip.begin(), flip.end(), name) != flip.end()) {
+      REQUIRE(v.dtype == troupe::safetensors::Dtype::F32);
+      auto& words = flipped.emplace_back(v.nbytes / 4);
+      std::memcpy(words.data(), v.data, v.nbytes);
       for (auto& w : words) w ^= 0x80000000u;
-    refs.push_back({name, v.dtype, v.shape, words.data(), v.nbytes});
+      data = words.data();
+    }
+    refs.push_back({name, v.dtype, v.shape, data, v.nbytes});
   }
   fs::create_directories(dir);
   troupe::safetensors::write_file(dir / "model.safetensors", refs);
 }
 
+// The Hugging Face folder `hf` with the tensors `flip` negated: a model to compute references with.
+void write_flipped_model(const fs::path& hf, const fs::path& dir, const std::vector<std::string>& flip) {
+  fs::create_directories(dir);
+  for (const auto& entry : fs::directory_iterator(hf))
+    if (entry.path().filename() != "model.safetensors") fs::copy_file(entry.path(), dir / entry.path().filename());
+  std::vector<std::string> all;
+  auto file = troupe::safetensors::File::open(hf / "model.safetensors");  // alive while its views are read
+  for (const auto& v : file->tensors()) all.push_back(v.name);
+  write_tensors(hf / "model.safetensors", dir, all, flip);
+}
+
+std::string troupe_generate(const fs::path& model) {
+  return strip_newline(run_troupe("generate --model " + shell_quote(model.string()) + " --max-tokens 12 --prompt " +
+                                  shell_quote(kPrompt)));
+}
+
+// Folders of new weights for the weight tests, made once: four down_proj tensors negated
+// ("flipped") or as they are ("original"), and `troupe generate`'s greedy text for the whole
+// model either way, the references the server's output must match after each update.
+struct Updates {
+  fs::path work, flipped, original;
+  std::vector<std::string> names;
+  std::string greedy_original, greedy_flipped;
+};
+
+const Updates& updates() {
+  static const Updates made = [] {
+    Updates u;
+    u.work = fs::temp_directory_path() / ("troupe_test_server_" + std::to_string(getpid()));
+    fs::remove_all(u.work);
+    run_troupe("convert " + shell_quote(smollm2_gguf().string()) + " " + shell_quote((u.work / "hf").string()) + " --dtype float32");
+    const fs::path weights = u.work / "hf" / "model.safetensors";
+    REQUIRE(fs::exists(weights));
+    for (int l = 0; l < 4; ++l) u.names.push_back("model.layers." + std::to_string(l) + ".mlp.down_proj.weight");
+    u.flipped = u.work / "flipped";
+    u.original = u.work / "original";
+    write_tensors(weights, u.flipped, u.names, u.names);
+    write_tensors(weights, u.original, u.names, {});
+    write_flipped_model(u.work / "hf", u.work / "hf_flipped", u.names);
+    u.greedy_original = troupe_generate(u.work / "hf");
+    u.greedy_flipped = troupe_generate(u.work / "hf_flipped");
+    return u;
+  }();
+  return made;
+}
+
+const json kPaused = {{"status", "paused"}}, kResumed = {{"status", "resumed"}}, kReset = {{"success", true}};
+
 }  // namespace
 
-TEST_CASE("a weight update through the disk endpoints changes outputs and the version") {
-  const fs::path work = fs::temp_directory_path() / ("troupe_test_server_" + std::to_string(getpid()));
-  fs::remove_all(work);
-  run_troupe("convert " + shell_quote(smollm2_gguf().string()) + " " + shell_quote((work / "hf").string()) + " --dtype float32");
-  const fs::path weights = work / "hf" / "model.safetensors";
-  REQUIRE(fs::exists(weights));
-  std::vector<std::string> names;
-  for (int l = 0; l < 4; ++l) names.push_back("model.layers." + std::to_string(l) + ".mlp.down_proj.weight");
-  write_update(weights, work / "flipped", names, /*flip=*/true);
-  write_update(weights, work / "original", names, /*flip=*/false);
-
+TEST_CASE("vLLM's weight-transfer protocol with the disk backend: the new weights' own greedy output") {
+  const Updates& u = updates();
   json before = greedy(kPrompt);
-  CHECK(before["choices"][0]["troupe"]["max_version"] == 0);
 
-  ok("/start_weight_update", json::object());
-  json staged = ok("/update_weights", {{"update_info", {{"path", (work / "flipped").string()}}}});
-  CHECK(staged["tensors"] == names.size());
-  json finished = ok("/finish_weight_update", {{"weight_version", 7}});
+  // vLLM's sequence: init, pause, start, update, finish, reset the prefix cache, resume.
+  CHECK(ok("/init_weight_transfer_engine", {{"init_info", json::object()}}) == json{{"message", "Weight transfer initialized"}});
+  CHECK(ok("/pause?mode=wait", json::object()) == kPaused);
+  CHECK(ok("/start_weight_update", json::object()) == json{{"message", "Weight update started"}});
+  json staged = ok("/update_weights", {{"update_info", {{"path", u.flipped.string()}}}});
+  CHECK(staged["message"] == "Weights updated");
+  CHECK(staged["tensors"] == u.names.size());
+  json finished = ok("/finish_weight_update", {{"weight_version", "7"}});
+  CHECK(finished["message"] == "Weight update finished");
   CHECK(finished["weight_version"] == 7);
-  CHECK(get("/get_weight_version").body["weight_version"] == 7);
+  CHECK(ok("/reset_prefix_cache", json::object()) == kReset);
+  CHECK(post("/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 2}}).status == 503);  // paused until resume
+  CHECK(ok("/resume", json::object()) == kResumed);
+  CHECK(get("/weight_info").body["weight_version"] == 7);
   CHECK(get("/is_paused").body["is_paused"] == false);
 
   json after = greedy(kPrompt);
   MESSAGE("before: " << before["choices"][0]["text"] << "  after: " << after["choices"][0]["text"]);
+  CHECK(after["choices"][0]["text"] == u.greedy_flipped);  // `troupe generate` on the model with the new weights
   CHECK(after["choices"][0]["token_ids"] != before["choices"][0]["token_ids"]);
   CHECK(after["choices"][0]["troupe"]["min_version"] == 7);
   CHECK(after["choices"][0]["troupe"]["max_version"] == 7);
+}
 
-  // Bad folders are refused before anything is staged, naming the tensor.
-  {
-    std::vector<float> bogus(576, 1.0f), short_norm(3, 1.0f);
-    troupe::safetensors::TensorRef unknown{"model.bogus.weight", troupe::safetensors::Dtype::F32, {576}, bogus.data(), bogus.size() * 4};
-    troupe::safetensors::TensorRef wrong{"model.norm.weight", troupe::safetensors::Dtype::F32, {3}, short_norm.data(), short_norm.size() * 4};
-    fs::create_directories(work / "unknown");
-    fs::create_directories(work / "wrong");
-    troupe::safetensors::write_file(work / "unknown" / "model.safetensors", std::span(&unknown, 1));
-    troupe::safetensors::write_file(work / "wrong" / "model.safetensors", std::span(&wrong, 1));
-    for (const char* dir : {"unknown", "wrong"}) {
-      auto r = post("/update_weights", {{"update_info", {{"path", (work / dir).string()}}}});
-      CHECK(r.status == 400);
-      check_error_body(r, 400);
-      std::string message = r.body["error"]["message"];
-      MESSAGE(message);
-      CHECK(message.find(std::string(dir) == "unknown" ? "model.bogus.weight" : "model.norm.weight") != std::string::npos);
-    }
+TEST_CASE("weight updates out of turn answer 409; bad folders answer 400 naming the tensor and end the session") {
+  const Updates& u = updates();
+  const int64_t version = get("/weight_info").body["weight_version"];
+  const json original = {{"update_info", {{"path", u.original.string()}}}};
+  for (const Reply& r : {post("/update_weights", original), post("/finish_weight_update", {{"weight_version", 9}})}) {
+    CHECK(r.status == 409);
+    check_error_body(r, 409);
   }
-
-  // Writing the original tensors back restores the original greedy output exactly.
+  std::vector<float> bogus(576, 1.0f), short_norm(3, 1.0f);
+  troupe::safetensors::TensorRef unknown{"model.bogus.weight", troupe::safetensors::Dtype::F32, {576}, bogus.data(), bogus.size() * 4};
+  troupe::safetensors::TensorRef wrong{"model.norm.weight", troupe::safetensors::Dtype::F32, {3}, short_norm.data(), short_norm.size() * 4};
+  fs::create_directories(u.work / "unknown");
+  fs::create_directories(u.work / "wrong");
+  troupe::safetensors::write_file(u.work / "unknown" / "model.safetensors", std::span(&unknown, 1));
+  troupe::safetensors::write_file(u.work / "wrong" / "model.safetensors", std::span(&wrong, 1));
+  const std::vector<std::pair<std::string, std::string>> folders = {
+      {"unknown", "model.bogus.weight"}, {"wrong", "model.norm.weight"}, {"missing", "is not a directory"}};
+  for (const auto& folder : folders) {
+    CAPTURE(folder.first);
+    ok("/start_weight_update", json::object());
+    auto r = post("/update_weights", {{"update_info", {{"path", (u.work / folder.first).string()}}}});
+    CHECK(r.status == 400);
+    check_error_body(r, 400);
+    CHECK(r.body["error"]["param"] == "update_info.path");
+    std::string message = r.body["error"]["message"];
+    MESSAGE(message);
+    CHECK(message.find(folder.second) != std::string::npos);
+    CHECK(post("/finish_weight_update", json::object()).status == 409);  // the failure ended the session
+  }
+  // One session at a time, one checkpoint per session (as vLLM's disk backend).
   ok("/start_weight_update", json::object());
-  ok("/update_weights", {{"update_info", {{"path", (work / "original").string()}}}});
-  ok("/finish_weight_update", {{"weight_version", "8"}});
+  CHECK(post("/start_weight_update", json::object()).status == 409);
+  ok("/update_weights", original);
+  CHECK(post("/update_weights", original).status == 409);  // and the session is closed
+  CHECK(post("/finish_weight_update", json::object()).status == 409);
+  CHECK(get("/weight_info").body["weight_version"] == version);  // nothing was applied
+}
+
+TEST_CASE("vLLM's disk reload, /collective_rpc reload_weights: the original tensors restore the original output") {
+  const Updates& u = updates();
+  CHECK(ok("/pause?mode=wait", json::object()) == kPaused);
+  CHECK(ok("/collective_rpc", {{"method", "reload_weights"}, {"kwargs", {{"weights_path", u.original.string()}}}}) ==
+        json{{"results", json::array({nullptr})}});
+  CHECK(ok("/update_weight_version", {{"new_version", "8"}}) == json{{"success", true}, {"new_version", "8"}});
+  CHECK(ok("/reset_prefix_cache", json::object()) == kReset);
+  CHECK(ok("/resume", json::object()) == kResumed);
+  CHECK(get("/weight_info").body["weight_version"] == 8);
   json restored = greedy(kPrompt);
-  CHECK(restored["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]);
+  CHECK(restored["choices"][0]["text"] == u.greedy_original);
+  CHECK(restored["choices"][0]["troupe"]["min_version"] == 8);
   CHECK(restored["choices"][0]["troupe"]["max_version"] == 8);
-  fs::remove_all(work);
+  fs::remove_all(u.work);
 }
 
 TEST_CASE("SIGTERM stops the server cleanly with exit code 0") {
