@@ -388,7 +388,8 @@ bool parse_data(Map m, DataSection& c) {
 }
 
 void parse_generator(Map m, GeneratorSection& c) {
-  m.allow({"count", "engine", "url", "group_size", "max_tokens", "temperature", "top_p", "top_k", "min_p", "max_batch", "max_seq_len", "stop", "threads"});
+  m.allow({"count", "engine", "url", "weight_transfer", "group_size", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+           "max_batch", "max_seq_len", "stop", "threads"});
   m.get("threads", c.threads);
   m.check(c.threads >= 0, "threads", "must be >= 0 (0: LibTorch's default)" + got(c.threads));
   m.get("count", c.count);
@@ -403,8 +404,12 @@ void parse_generator(Map m, GeneratorSection& c) {
             "expected http://host:port or https://..., got " + quote(c.url));
     m.check(c.count == 1, "count", "must be 1 with engine: remote (one client drives the server, which batches "
                                    "the requests itself)" + got(c.count));
+    m.get("weight_transfer", c.weight_transfer);
+    m.check(c.weight_transfer == "reload" || c.weight_transfer == "disk", "weight_transfer",
+            "expected reload or disk (vLLM's NCCL transfer needs a CUDA trainer), got " + quote(c.weight_transfer));
   } else {
     m.check(c.url.empty(), "url", "only used with engine: remote (the built-in engine runs in-process)");
+    m.check(!m.has("weight_transfer"), "weight_transfer", "only used with engine: remote");
   }
   m.get("group_size", c.group_size);
   m.check(c.group_size >= 1, "group_size", "must be >= 1" + got(c.group_size));
@@ -919,6 +924,7 @@ std::string to_yaml(const RunConfig& c) {
   w.line(2, "count", fmt(g.count));
   w.line(2, "engine", name_of(g.engine));
   if (!g.url.empty()) w.line(2, "url", quote(g.url));
+  if (g.engine == EngineKind::remote) w.line(2, "weight_transfer", g.weight_transfer);
   w.line(2, "group_size", fmt(g.group_size));
   w.line(2, "max_tokens", fmt(g.max_tokens));
   w.line(2, "temperature", fmt(g.temperature));

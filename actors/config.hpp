@@ -85,6 +85,10 @@ struct GeneratorSection {
   int64_t count = 1;                       // generator actors (engines or remote servers' clients)
   EngineKind engine = EngineKind::builtin; // builtin: in-process Engine; remote: a vLLM-compatible server
   std::string url;                         // remote only: the server's base URL, http(s)://host:port
+  // remote only: how new weights reach the server, in vLLM 0.33.0's routes. reload: a safetensors
+  // folder and /collective_rpc reload_weights (any vLLM with VLLM_SERVER_DEV_MODE=1, and troupe
+  // serve); disk: the weight-transfer protocol (init, start, update, finish) with the disk backend.
+  std::string weight_transfer = "reload";
   int64_t group_size = 8;                  // G: completions per prompt (TRL's num_generations)
   int64_t max_tokens = 256;                // new tokens per completion (TRL's max_completion_length)
   double temperature = 1.0;                // 0 is greedy, which gives GRPO no signal

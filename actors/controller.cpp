@@ -4,6 +4,10 @@
 // (issued, trained, failed tickets) arrives in messages and leaves in the RunSummary.
 #include "actors/controller.hpp"
 
+#include <cmath>
+#include <deque>
+#include <optional>
+#include <variant>
 #include <fstream>
 #include <iostream>
 
@@ -24,6 +28,10 @@ struct ControllerState {
   actor waiter;
   data_actor data;
   rollout_sink sink;   // where generators send groups: the reward actor
+  trainer_actor trainer;
+  // What goes to the generators, in order: weight notices and releases' prompts (empty until
+  // the data actor answers; std::deque keeps the slot's address while it waits).
+  std::deque<std::variant<WeightsReady, std::optional<PromptBatch>>> outbox;
   GeneratorPool pool;
   int64_t expected_generators = 0;  // live before the first credits go out
   std::vector<actor> all;           // every actor to stop at the end
@@ -36,6 +44,7 @@ struct ControllerState {
   using Clock = std::chrono::steady_clock;
   Clock::time_point began = Clock::now();
   Clock::time_point none_live_since = Clock::now();  // when the last generator went away
+  std::string last_loss;                             // why the last one went away
 };
 
 using Self = controller_actor::stateful_pointer<ControllerState>;
@@ -56,19 +65,41 @@ void send_all(Self self, GeneratorPool::Sends sends) {
   for (auto& [g, batch] : sends) self->send(g, std::move(batch));
 }
 
+// Generators see prompts and weight notices in the order the controller decided on them: a
+// notice that arrives while a release's prompts are still on their way from the data actor
+// waits behind them (deterministic runs depend on it: batch k meets the weights of its turn).
+void flush(Self self) {
+  auto& st = self->state;
+  while (!st.outbox.empty()) {
+    auto& front = st.outbox.front();
+    if (auto* notice = std::get_if<WeightsReady>(&front)) {
+      for (const auto& g : st.pool.slots())
+        if (g.live) self->send(g.handle, *notice);
+    } else if (auto* batch = std::get_if<std::optional<PromptBatch>>(&front); batch && *batch) {
+      send_all(self, st.pool.assign(std::move((*batch)->prompts)));
+    } else {
+      return;  // prompts not here yet
+    }
+    st.outbox.pop_front();
+  }
+}
+
 // Batch k goes out once step k - eta - 1 has reported, so at most (eta + 1) batches are in
 // flight or buffered and every group trains within eta versions. Weights sent only every
 // sync_every steps lag by up to sync_every - 1 versions, paid for in credits.
 void release(Self self) {
   auto& st = self->state;
   const int64_t k = st.issued_batches++;
+  st.outbox.emplace_back(std::optional<PromptBatch>());
+  auto* slot = &std::get<std::optional<PromptBatch>>(st.outbox.back());
   self->request(st.data, infinite, next_atom::value, st.spec->batch_groups, k).then([=](PromptBatch& batch) {
     auto& st = self->state;
     for (const auto& p : batch.prompts) st.summary.issued.push_back(p.ticket);
-    // Spread over the generators by ticket, so each one's share does not depend on how many
-    // batches came before (a resumed run splits as the original did).
-    send_all(self, st.pool.assign(std::move(batch.prompts)));
-  });
+    // Spread over the generators by ticket (at flush), so each one's share does not depend on
+    // how many batches came before (a resumed run splits as the original did).
+    *slot = std::move(batch);
+    flush(self);
+  }, [=](error& e) { finish(self, "data: " + reason_text(e)); });
 }
 
 // Once the generators asked for are there, the first credits go out (each generator has been
@@ -79,10 +110,12 @@ void start_when_ready(Self self) {
   st.started = true;
   // Resuming after step s, batches [s, first_new_batch) come from the checkpoint; what step s's
   // report released comes next, generated anew by the checkpoint's weights.
+  // A resumed trainer may have trained (and reported) its first batch before the workers joined.
   const auto* spec = st.spec;
-  const int64_t start = spec->resume ? spec->resume->step : 0;
+  const int64_t start = std::max(spec->resume ? spec->resume->step : 0, st.summary.steps);
   st.issued_batches = spec->resume ? spec->resume->first_new_batch : 0;
   while (st.issued_batches < std::min(spec->steps, start + spec->max_staleness - spec->sync_every + 2)) release(self);
+  self->send(st.trainer, go_atom::value);
 }
 
 // A version every live generator has loaded something newer than can go (the newest always
@@ -114,10 +147,14 @@ bool lose_generator(Self self, const down_msg& dm) {
     if (!s.live || s.handle.address() != dm.source) continue;
     if (!s.remote) return false;  // an in-process generator failing is a bug: the run stops
     const auto held = s.held.size();
-    st.pool.lose(dm.source, resend);
-    std::cerr << "troupe run: generator " << i << " went away (" << (dm.reason ? reason_text(dm.reason) : "normal exit")
-              << "); its " << held << " unfinished prompts go to " << st.pool.live() << " other generators"
-              << (st.pool.live() == 0 ? " once one joins" : "") << std::endl;
+    std::vector<PromptItem> given_up;
+    st.pool.lose(dm.source, resend, given_up);
+    st.last_loss = "generator " + std::to_string(i) + " went away (" + (dm.reason ? reason_text(dm.reason) : "normal exit") + ")";
+    std::cerr << "troupe run: " << st.last_loss << "; its " << held - given_up.size() << " unfinished prompts go to "
+              << st.pool.live() << " other generators" << (st.pool.live() == 0 ? " once one joins" : "") << std::endl;
+    for (const auto& p : given_up)
+      self->send(st.sink, failed_group(p, "given up: " + std::to_string(GeneratorPool::kMaxHolders) +
+                                              " generators went away while holding this prompt; the last: " + st.last_loss));
     if (st.pool.live() == 0) st.none_live_since = ControllerState::Clock::now();
     send_all(self, std::move(resend));
     return true;
@@ -150,7 +187,8 @@ void spawn_graph(Self self) {
   const GraphSpec& spec = *st.spec;
   auto& system = self->system();
   auto trainer = spawn_trainer(system, &spec, self);
-  rollout_sink after_reward = trainer;
+  st.trainer = trainer;
+  rollout_sink after_reward = actor_cast<rollout_sink>(trainer);
   if (spec.reference) {
     after_reward = spawn_reference(system, spec.make_policy(), spec.trainer_threads, spec.trainer.logprob_chunk, trainer);
     st.all.push_back(actor_cast<actor>(after_reward));
@@ -191,8 +229,8 @@ void tick(Self self) {
     return;
   }
   if (st.started && st.pool.live() == 0 && std::chrono::duration<double>(now - st.none_live_since).count() > limit) {
-    finish(self, "no generator for cluster.join_timeout_s = " + std::to_string(limit) + " s after the last one went away; " +
-                     std::to_string(st.pool.unfinished()) + " prompts unfinished");
+    finish(self, "no generator for cluster.join_timeout_s = " + std::to_string(limit) + " s after the last one went away (" +
+                     st.last_loss + "); " + std::to_string(st.pool.unfinished()) + " prompts unfinished");
     return;
   }
   self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
@@ -207,7 +245,18 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
     std::string why = dm.reason ? reason_text(dm.reason) : "normal exit";
     finish(self, "an actor stopped unexpectedly: " + why);
   });
-  name_failures(self, "controller");
+  // An exception here ends the run with a summary like any other failure.
+  self->set_exception_handler([=](scheduled_actor*, std::exception_ptr& p) -> error {
+    std::string what = "unknown exception";
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    finish(self, "controller: " + what);
+    return make_error(sec::runtime_error, "controller: " + what);
+  });
   if (!spec->run_dir.empty()) {
     std::filesystem::create_directories(spec->run_dir);
     st.metrics.open(spec->run_dir / "metrics.jsonl", std::ios::app);
@@ -215,13 +264,20 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
   if (spec->resume)
     for (const auto& g : spec->resume->groups) st.summary.issued.push_back(g.ticket);
   spawn_graph(self);
+  // However the controller ends, the actors it spawned end with it (workers watch it themselves).
+  std::vector<actor> local = st.all;
+  for (const auto& g : st.pool.slots())
+    if (g.handle) local.push_back(actor_cast<actor>(g.handle));
+  self->attach_functor([local](const error&) {
+    for (const auto& a : local) anon_send_exit(a, exit_reason::user_shutdown);
+  });
   self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
   return {
       [=](const WeightsReady& notice) {
         auto& st = self->state;
         st.notices[notice.version] = notice;
-        for (const auto& g : st.pool.slots())
-          if (g.live) self->send(g.handle, notice);
+        st.outbox.emplace_back(notice);
+        flush(self);
         start_when_ready(self);
       },
       [=](const WeightsLoaded& loaded) {
@@ -235,7 +291,7 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
         auto& st = self->state;
         if (r.step >= st.spec->steps) {
           finish(self, "");
-        } else if (st.issued_batches < st.spec->steps) {
+        } else if (st.started && st.issued_batches < st.spec->steps) {
           release(self);
         }
       },
@@ -247,7 +303,10 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
       },
       [=](join_atom, int64_t index, generator_actor g) {
         auto& st = self->state;
-        if (!st.pool.has(index) || st.pool.at(index).live) return;
+        if (!st.pool.has(index) || st.pool.at(index).live) {
+          self->send_exit(g, make_error(sec::runtime_error, "generator slot " + std::to_string(index) + " is not free"));
+          return;
+        }
         add_generator(self, index, g, true);
         std::cout << "troupe run: generator " << index << " joined from another process (" << st.pool.live() << " live";
         if (!st.notices.empty()) std::cout << ", sent weights v" << st.notices.rbegin()->first;
@@ -260,6 +319,8 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
 }  // namespace
 
 std::string progress_line(const nlohmann::json& j, int64_t steps) {
+  // A non-finite figure is stored as null: shown as nan, never a throw.
+  auto num = [&](const char* key) { return j.contains(key) && j[key].is_number() ? j[key].get<double>() : std::nan(""); };
   char buf[320];
   const auto failed = j["rollouts/failed"].get<int64_t>();
   if (j["loss"].is_null() && failed == 0) {
@@ -276,9 +337,9 @@ std::string progress_line(const nlohmann::json& j, int64_t steps) {
   int n = std::snprintf(buf, sizeof buf,
                         "step %lld/%lld  v%lld  reward %.3f  loss %+.4f  kl %.4f  stale %.2f/%lld  wait %.1fs  train %.1fs  %.0f tok/s",
                         (long long)j["step"].get<int64_t>(), (long long)steps, (long long)j["policy_version"].get<int64_t>(),
-                        j["reward/mean"].get<double>(), j["loss"].get<double>(), j["kl"].get<double>(),
-                        j["staleness/mean"].get<double>(), (long long)j["staleness/max"].get<int64_t>(),
-                        j["time/generate_wait_s"].get<double>(), j["time/step_s"].get<double>(), j["tokens_per_s"].get<double>());
+                        num("reward/mean"), num("loss"), num("kl"), num("staleness/mean"),
+                        (long long)j["staleness/max"].get<int64_t>(), num("time/generate_wait_s"), num("time/step_s"),
+                        num("tokens_per_s"));
   if (failed > 0 && n > 0 && n < static_cast<int>(sizeof buf))
     std::snprintf(buf + n, sizeof buf - n, "  %lld failed", (long long)failed);
   return buf;

@@ -114,7 +114,15 @@ void admit(Self self, PromptBatch& batch) {
   for (auto& p : batch.prompts) {
     SamplingParams params = st.spec.sampling;
     params.seed = mix_seed(st.spec.seed, static_cast<uint64_t>(p.ticket));
-    auto id = st.engine->add_request(p.ids, params);
+    uint64_t id = 0;
+    try {
+      id = st.engine->add_request(p.ids, params);
+    } catch (const Error& e) {
+      // A prompt the engine cannot take (too long for max_seq_len, ids outside the vocabulary)
+      // fails alone: reported, never trained, and the generator goes on.
+      self->send(st.next, failed_group(p, "generator " + std::to_string(st.index) + ": " + e.what()));
+      continue;
+    }
     st.pending.emplace(id, Pending{std::move(p), std::vector<Completion>(st.spec.sampling.n), 0});
   }
   kick(self);

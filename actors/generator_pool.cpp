@@ -48,13 +48,13 @@ GeneratorPool::Sends GeneratorPool::assign(std::vector<PromptItem> prompts) {
   return out;
 }
 
-int64_t GeneratorPool::lose(const caf::actor_addr& who, Sends& resend) {
+int64_t GeneratorPool::lose(const caf::actor_addr& who, Sends& resend, std::vector<PromptItem>& given_up) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     auto& s = slots_[i];
     if (!s.live || s.handle.address() != who) continue;
     s.live = false;
     std::vector<PromptItem> again;
-    for (auto& [ticket, p] : s.held) again.push_back(std::move(p));
+    for (auto& [ticket, p] : s.held) (++lost_with_[ticket] >= kMaxHolders ? given_up : again).push_back(std::move(p));
     s.held.clear();
     s.handle = nullptr;
     resend = assign(std::move(again));

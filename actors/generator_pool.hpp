@@ -32,9 +32,11 @@ class GeneratorPool {
   // Each prompt goes to generator (ticket mod slots) when that one is live, else to the next
   // live one; with none live the prompts are held for the next to join.
   Sends assign(std::vector<PromptItem> prompts);
-  // The generator behind `who` went away: its unfinished prompts are assigned anew. Returns its
-  // index, or -1 when `who` is none of the pool's.
-  int64_t lose(const caf::actor_addr& who, Sends& resend);
+  // The generator behind `who` went away: its unfinished prompts are assigned anew, except those
+  // that have now gone down with kMaxHolders generators (a prompt that kills whoever takes it):
+  // those are given up. Returns its index, or -1 when `who` is none of the pool's.
+  static constexpr int kMaxHolders = 3;
+  int64_t lose(const caf::actor_addr& who, Sends& resend, std::vector<PromptItem>& given_up);
   // What was held while no generator was live, for one that just joined.
   Sends take_held();
   void done(const std::vector<int64_t>& tickets);
@@ -53,6 +55,7 @@ class GeneratorPool {
  private:
   std::vector<Slot> slots_;
   std::vector<PromptItem> orphans_;  // held while no generator is live
+  std::map<int64_t, int> lost_with_;  // ticket -> generators that went away holding it
 };
 
 }  // namespace troupe

@@ -120,7 +120,16 @@ GraphResult run_graph(const GraphSpec& spec) {
       std::cout << "troupe run: generator workers join at 127.0.0.1:" << *port << std::endl;
       workers.emplace(spec.worker_program, "127.0.0.1", *port, spec.generator_processes, spec.worker_restarts);
     }
-    self->receive([&](RunSummary& s) { summary = std::move(s); });
+    // The summary, or the controller's end if it died without one (never a hang).
+    self->monitor(controller);
+    bool waiting = true;
+    while (waiting)
+      self->receive([&](RunSummary& s) { summary = std::move(s), waiting = false; },
+                    [&](down_msg& dm) {
+                      if (dm.source != controller.address()) return;
+                      summary.error = "the controller stopped: " + (dm.reason ? reason_text(dm.reason) : "without a summary");
+                      waiting = false;
+                    });
   }  // workers are waited for (or killed), then the system waits for every actor to finish
   GraphResult r;
   r.error = summary.error;

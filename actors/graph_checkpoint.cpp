@@ -70,6 +70,9 @@ void PendingCheckpoints::start(RlRecipe& recipe, int64_t step, int64_t policy_ve
                                const std::map<int64_t, std::vector<RolloutGroup>>& buffer) {
   Pending c{spec_.run_dir / "checkpoints" / ("step_" + std::to_string(step)), step, policy_version, step,
             outstanding_end(spec_, step), {}};
+  // Over an older checkpoint of the same step (a run resumed from before it): it stops counting
+  // as complete before anything of it is replaced.
+  std::filesystem::remove(c.dir / "trainer_state.json");
   save_weights(spec_, recipe, c.dir);
   for (const auto& [batch, held] : buffer)
     if (batch >= c.begin && batch < c.end) c.groups.insert(c.groups.end(), held.begin(), held.end());

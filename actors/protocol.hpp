@@ -19,6 +19,7 @@ using tick_atom = caf::atom_constant<caf::atom("tick")>;
 using next_atom = caf::atom_constant<caf::atom("next")>;
 using join_atom = caf::atom_constant<caf::atom("join")>;
 using done_atom = caf::atom_constant<caf::atom("done")>;
+using go_atom = caf::atom_constant<caf::atom("go")>;
 
 // One prompt handed to a generator.
 struct PromptItem {
@@ -77,7 +78,9 @@ using controller_actor =
                      caf::replies_to<join_atom>::with<int64_t, std::string, rollout_sink>,
                      // and then joins with the generator it built
                      caf::reacts_to<join_atom, int64_t, generator_actor>>;
-using trainer_actor = rollout_sink;
+// go: the generators are there and the first prompts are out; a resumed trainer trains the
+// checkpoint's buffered batches only then, so its next version follows those prompts.
+using trainer_actor = caf::typed_actor<caf::reacts_to<RolloutGroup>, caf::reacts_to<go_atom>>;
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PromptItem& x) {
@@ -108,6 +111,19 @@ typename Inspector::result_type inspect(Inspector& f, StepReport& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RunSummary& x) {
   return f(caf::meta::type_name("RunSummary"), x.error, x.steps, x.metrics, x.issued, x.trained, x.failed);
+}
+
+// A prompt that could not be generated: it travels to the trainer marked failed, so its ticket is
+// reported (failures.jsonl, rollouts/failed) and its batch still completes.
+inline RolloutGroup failed_group(const PromptItem& p, std::string error) {
+  RolloutGroup g;
+  g.prompt_id = p.id;
+  g.batch = p.batch;
+  g.prompt_ids = p.ids;
+  g.metadata = p.metadata;
+  g.ticket = p.ticket;
+  g.error = std::move(error);
+  return g;
 }
 
 // Registers the types above with a system config (needed to cross process boundaries), and

@@ -34,7 +34,7 @@ rollout_sink::behavior_type reward_stage(rollout_sink::pointer self, std::shared
                                          std::optional<Tokenizer> tokenizer, rollout_sink next) {
   name_failures(self, "reward");
   return {[=](RolloutGroup& g) {
-    score(*reward, tokenizer, g);
+    if (g.error.empty()) score(*reward, tokenizer, g);  // a group failed upstream passes on as it is
     self->send(next, std::move(g));
   }};
 }

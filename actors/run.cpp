@@ -90,6 +90,55 @@ std::map<std::string, torch::Tensor> sft_warmup(const RunConfig& c, const Tokeni
   return out;
 }
 
+PpoConfig ppo_config(const RunConfig& c, const OptimizerConfig& optimizer) {
+  const auto& l = c.trainer.loss;
+  return PpoConfig{.optimizer = optimizer, .gamma = l.gamma, .lambda = l.lambda, .kl_coef = l.beta,
+                   .value_clip = l.value_clip, .vf_coef = l.vf_coef, .epsilon = l.epsilon, .epsilon_high = l.epsilon_high,
+                   .behaviour_cap = l.behaviour_cap, .whiten_advantages = l.whiten_advantages,
+                   .mask_truncated_completions = c.trainer.mask_truncated_completions,
+                   .num_iterations = c.trainer.num_iterations, .micro_batch = c.trainer.micro_batch,
+                   .logprob_chunk = c.trainer.logprob_chunk};
+}
+
+// The generators: what each one builds (model, tokenizer, engine, sampling), how many, where
+// they run (this process, worker processes, a remote server), and their threads.
+void set_generation(GraphSpec& spec, const RunConfig& c) {
+  spec.tokenizer_path = c.model.path;
+  spec.generator_dtype = std::string(to_string(c.model.dtype));
+  spec.generator_device = c.model.device;
+  spec.engine = {.max_batch = c.generator.max_batch, .max_seq_len = c.generator.max_seq_len, .seed = c.run.seed};
+  spec.sampling = {.n = c.generator.group_size, .temperature = c.generator.temperature, .top_p = c.generator.top_p,
+                   .top_k = c.generator.top_k, .min_p = c.generator.min_p, .max_tokens = c.generator.max_tokens,
+                   .stop = c.generator.stop};
+  spec.generators = c.cluster.generator_processes > 0 ? c.cluster.generator_processes : c.generator.count;
+  spec.generator_processes = c.cluster.generator_processes;
+  spec.worker_join_timeout_s = c.cluster.join_timeout_s;
+  spec.worker_restarts = c.cluster.restarts;
+  spec.generator_threads = c.generator.threads;
+  spec.trainer_threads = c.trainer.threads;
+  if (c.generator.engine == EngineKind::remote) {
+    spec.remote_url = c.generator.url;
+    spec.remote.weight_transfer = c.generator.weight_transfer;
+    spec.weights_dir = std::filesystem::path(c.run.dir) / "weights_for_server";
+  }
+}
+
+// Steps, batches, staleness, the reference, the run folder and checkpoints, seeds and the recipe.
+void set_schedule(GraphSpec& spec, const RunConfig& c) {
+  spec.seed = c.run.seed;
+  spec.batch_groups = c.trainer.batch_groups;
+  spec.steps = c.trainer.steps;
+  spec.max_staleness = c.async.max_staleness;
+  spec.sync_every = c.async.sync_every;
+  spec.reference = c.reference.enabled || c.trainer.loss.beta > 0;
+  spec.run_dir = c.run.dir;
+  spec.model_source = c.model.path;
+  spec.checkpoint_every = c.run.checkpoint_every;
+  spec.deterministic = c.run.deterministic;
+  spec.recipe = std::string(to_string(c.recipe));
+  set_generation(spec, c);
+}
+
 }  // namespace
 
 GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_requested) {
@@ -131,9 +180,6 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
     return m.model;
   };
   spec.tokenizer = tokenizer;
-  spec.tokenizer_path = c.model.path;
-  spec.generator_dtype = std::string(to_string(c.model.dtype));
-  spec.generator_device = c.model.device;
   spec.next_prompts = [source](int64_t n) {
     std::vector<PromptItem> out;
     for (auto& p : source->next(n)) out.push_back({p.id, 0, std::move(p.ids), std::move(p.text), p.metadata.dump()});
@@ -142,44 +188,10 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
   spec.reward = reward;
   spec.trainer = trainer_config(c);
   spec.lora = recipe::lora_config(c);
-  if (c.recipe == Recipe::ppo) {
-    const auto& l = c.trainer.loss;
-    spec.ppo = PpoConfig{.optimizer = spec.trainer.optimizer, .gamma = l.gamma, .lambda = l.lambda, .kl_coef = l.beta,
-                         .value_clip = l.value_clip, .vf_coef = l.vf_coef, .epsilon = l.epsilon,
-                         .epsilon_high = l.epsilon_high, .behaviour_cap = l.behaviour_cap,
-                         .whiten_advantages = l.whiten_advantages,
-                         .mask_truncated_completions = c.trainer.mask_truncated_completions,
-                         .num_iterations = c.trainer.num_iterations, .micro_batch = c.trainer.micro_batch,
-                         .logprob_chunk = c.trainer.logprob_chunk};
-  }
-  spec.seed = c.run.seed;
-  spec.batch_groups = c.trainer.batch_groups;
-  spec.steps = c.trainer.steps;
-  spec.engine = {.max_batch = c.generator.max_batch, .max_seq_len = c.generator.max_seq_len, .seed = c.run.seed};
-  spec.sampling = {.n = c.generator.group_size, .temperature = c.generator.temperature, .top_p = c.generator.top_p,
-                   .top_k = c.generator.top_k, .min_p = c.generator.min_p, .max_tokens = c.generator.max_tokens,
-                   .stop = c.generator.stop};
-  spec.generators = c.cluster.generator_processes > 0 ? c.cluster.generator_processes : c.generator.count;
-  spec.generator_processes = c.cluster.generator_processes;
-  spec.worker_join_timeout_s = c.cluster.join_timeout_s;
-  spec.worker_restarts = c.cluster.restarts;
-  spec.generator_threads = c.generator.threads;
-  spec.trainer_threads = c.trainer.threads;
-  if (c.generator.engine == EngineKind::remote) {
-    spec.remote_url = c.generator.url;
-    spec.weights_dir = std::filesystem::path(c.run.dir) / "weights_for_server";
-  }
-  spec.max_staleness = c.async.max_staleness;
-  spec.sync_every = c.async.sync_every;
-  spec.reference = c.reference.enabled || c.trainer.loss.beta > 0;
-  spec.run_dir = c.run.dir;
-  spec.model_source = c.model.path;
+  if (c.recipe == Recipe::ppo) spec.ppo = ppo_config(c, spec.trainer.optimizer);
+  set_schedule(spec, c);
   spec.model_config = model_config;
-  spec.checkpoint_every = c.run.checkpoint_every;
   spec.stop_requested = stop_requested;
-  spec.deterministic = c.run.deterministic;
-  spec.recipe = std::string(to_string(c.recipe));
-
   std::filesystem::create_directories(spec.run_dir);
   std::ofstream(spec.run_dir / "config.yaml") << to_yaml(c);
   if (resume) {

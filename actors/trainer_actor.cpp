@@ -35,6 +35,7 @@ struct TrainerActorState {
   // Trained batches that changed the weights: max_staleness counts in this unit, whatever
   // optimizer steps each batch takes.
   int64_t policy_version = 0;
+  int64_t published_version = -1;  // the newest version on the weight plane
   std::ofstream failures;  // run_dir/failures.jsonl: one line per failed group
   std::map<int64_t, std::vector<RolloutGroup>> buffer;  // credit batch -> its finished groups
   int64_t next_batch = 0;
@@ -42,6 +43,7 @@ struct TrainerActorState {
   // back twice (the first copy was already on its way); the second is dropped.
   std::set<int64_t> arrived;
   int64_t duplicates = 0;  // dropped since the last step
+  bool started = false;    // the controller said go
   Clock::time_point idle_since = Clock::now();
 };
 
@@ -92,6 +94,7 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
 WeightsReady publish(Self self) {
   auto& st = self->state;
   auto notice = st.weights->write(merged_state_dict(*st.recipe->model()), st.policy_version);
+  st.published_version = st.policy_version;
   self->send(st.controller, notice);
   return notice;
 }
@@ -139,7 +142,9 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
     extra.update(update->extra);
   }
   std::optional<WeightsReady> sent;
-  if (update && step % spec.sync_every == 0 && step < spec.steps) sent = publish(self);
+  // At every sync step, whatever changed since the last one (the update may have come at an
+  // earlier step of the interval, this one training nothing).
+  if (step % spec.sync_every == 0 && step < spec.steps && st.policy_version > st.published_version) sent = publish(self);
   if (!spec.run_dir.empty() && (step == spec.steps || (spec.checkpoint_every > 0 && step % spec.checkpoint_every == 0)))
     st.checkpoints->start(*st.recipe, step, st.policy_version, st.buffer);
   st.idle_since = Clock::now();
@@ -212,15 +217,18 @@ trainer_actor::behavior_type trainer(Self self, const GraphSpec* spec, controlle
   st.weights = std::make_unique<WeightStore>(spec->run_dir.empty() ? std::filesystem::path() : spec->run_dir / "weights", bytes);
   // Generators start from these weights: nothing is generated before they arrive.
   publish(self);
-  train_ready(self);
-  return {[=](RolloutGroup& g) {
+  return {[=](go_atom) {
+    self->state.started = true;
+    train_ready(self);
+  },
+  [=](RolloutGroup& g) {
     if (!self->state.arrived.insert(g.ticket).second) {
       ++self->state.duplicates;
       return;
     }
     self->state.checkpoints->add(g);
     self->state.buffer[g.batch].push_back(std::move(g));
-    train_ready(self);
+    if (self->state.started) train_ready(self);
   }};
 }
 

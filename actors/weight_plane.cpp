@@ -1,6 +1,8 @@
 #include "actors/weight_plane.hpp"
 
 #include <chrono>
+#include <cerrno>
+#include <csignal>
 #include <unistd.h>
 
 #include <torch/torch.h>
@@ -23,9 +25,23 @@ fs::path fresh_dir(const fs::path& root) {
   return dir;
 }
 
+// Folders left by runs that were killed (SIGKILL, a crash) hold a whole model each: a folder
+// whose process is gone is removed.
+void sweep_stale(const fs::path& root) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, fs::directory_options::skip_permission_denied, ec)) {
+    const auto name = e.path().filename().string();
+    const std::string prefix = "troupe-weights-";
+    if (name.rfind(prefix, 0) != 0) continue;
+    const auto pid = std::atoll(name.c_str() + prefix.size());
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) fs::remove_all(e.path(), ec);
+  }
+}
+
 }  // namespace
 
 WeightStore::WeightStore(fs::path fallback, int64_t bytes_hint) {
+  sweep_stale("/dev/shm");
   // Two versions may be on disk at once (the newest and one a slow generator still loads).
   std::error_code ec;
   auto shm = fs::space("/dev/shm", ec);

@@ -123,7 +123,15 @@ WorkerProcesses::WorkerProcesses(std::filesystem::path program, const std::strin
     : program_(program.empty() ? std::filesystem::read_symlink("/proc/self/exe") : std::move(program)),
       where_(host + ":" + std::to_string(port)),
       restarts_left_(restarts) {
-  for (int64_t i = 0; i < n; ++i) pids_.push_back(start());
+  try {
+    for (int64_t i = 0; i < n; ++i) pids_.push_back(start());
+  } catch (...) {
+    for (pid_t pid : pids_) {
+      ::kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+    throw;
+  }
   supervisor_ = std::thread([this] { supervise(); });
 }
 
@@ -132,9 +140,22 @@ pid_t WorkerProcesses::start() const {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  // The run's own signal thread blocks SIGINT and SIGTERM; a worker gets them back, so that a
+  // plain `kill` stops it.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  sigaddset(&defaults, SIGINT);
+  sigaddset(&defaults, SIGTERM);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
   pid_t pid = 0;
-  if (int rc = posix_spawn(&pid, program_.c_str(), nullptr, nullptr, argv.data(), environ); rc != 0)
-    throw Error("cannot start a generator worker (" + program_.string() + "): " + std::strerror(rc));
+  int rc = posix_spawn(&pid, program_.c_str(), nullptr, &attr, argv.data(), environ);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) throw Error("cannot start a generator worker (" + program_.string() + "): " + std::strerror(rc));
   return pid;
 }
 

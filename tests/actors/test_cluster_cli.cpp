@@ -345,4 +345,13 @@ TEST_CASE("the controller killed with SIGKILL: its workers exit, and resume= con
   REQUIRE(m.size() == 16);
   check_steps(m, 16, 1);
   MESSAGE("controller killed after " << done << " steps; both workers exited; resumed to step 16");
+  // And it ends where a run that was never interrupted ends: same prompts, same weights.
+  auto straight = fixtures() / "cluster_controller_straight";
+  fs::remove_all(straight);
+  auto again = run_command(bounded(600, troupe_run("tiny_arithmetic_grpo", task_args(16) + " run.checkpoint_every=2 " +
+                                                                          "cluster.generator_processes=2 run.dir=" +
+                                                                          shell_quote(straight.string()))) + " 2>&1");
+  INFO(again.out);
+  REQUIRE(again.status == 0);
+  check_same_run(straight, dir, 16);
 }
