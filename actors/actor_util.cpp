@@ -4,16 +4,19 @@
 
 namespace troupe {
 
+std::string describe(const std::exception_ptr& p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+  }
+  return "unknown exception";
+}
+
 void name_failures(caf::scheduled_actor* self, std::string who) {
   self->set_exception_handler([who](caf::scheduled_actor*, std::exception_ptr& p) -> caf::error {
-    std::string what = "unknown exception";
-    try {
-      std::rethrow_exception(p);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    return caf::make_error(caf::sec::runtime_error, who + ": " + what);
+    return caf::make_error(caf::sec::runtime_error, who + ": " + describe(p));
   });
 }
 

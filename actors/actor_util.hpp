@@ -3,11 +3,15 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <string>
 
 #include <caf/all.hpp>
 
 namespace troupe {
+
+// What an exception says: its what(), or "unknown exception".
+std::string describe(const std::exception_ptr& p);
 
 // Installs the handler that turns an exception inside an actor into its exit reason, prefixed
 // with `who` ("generator 1: ..."); the controller monitors every actor and reports the reason.

@@ -247,15 +247,9 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
   });
   // An exception here ends the run with a summary like any other failure.
   self->set_exception_handler([=](scheduled_actor*, std::exception_ptr& p) -> error {
-    std::string what = "unknown exception";
-    try {
-      std::rethrow_exception(p);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    finish(self, "controller: " + what);
-    return make_error(sec::runtime_error, "controller: " + what);
+    const std::string what = "controller: " + describe(p);
+    finish(self, what);
+    return make_error(sec::runtime_error, what);
   });
   if (!spec->run_dir.empty()) {
     std::filesystem::create_directories(spec->run_dir);

@@ -47,8 +47,10 @@ using RlRecipeFactory = std::unique_ptr<RlRecipe> (*)(Transformer policy, const 
 std::unique_ptr<RlRecipe> make_rl_recipe(const std::string& name, Transformer policy, const GraphSpec& spec);
 bool is_rl_recipe(const std::string& name);
 
-// The recipes' shared pieces: a Trainer over the policy, or over its LoRA adapters alone.
+// The recipes' shared pieces: a Trainer over the policy, or over its LoRA adapters alone; and
+// the GRPO recipe with any trainer settings (REINFORCE is GRPO's loss with other settings).
 std::unique_ptr<Trainer> make_policy_trainer(Transformer policy, const GraphSpec& spec, TrainerConfig config);
+std::unique_ptr<RlRecipe> make_grpo_with(Transformer policy, const GraphSpec& spec, TrainerConfig config);
 double mean_reward(const std::vector<RolloutGroup>& groups);
 
 }  // namespace troupe

@@ -23,8 +23,12 @@ class Grpo final : public RlRecipe {
 
 }  // namespace
 
+std::unique_ptr<RlRecipe> make_grpo_with(Transformer policy, const GraphSpec& spec, TrainerConfig config) {
+  return std::make_unique<Grpo>(make_policy_trainer(std::move(policy), spec, std::move(config)));
+}
+
 std::unique_ptr<RlRecipe> make_grpo(Transformer policy, const GraphSpec& spec) {
-  return std::make_unique<Grpo>(make_policy_trainer(std::move(policy), spec, spec.trainer));
+  return make_grpo_with(std::move(policy), spec, spec.trainer);
 }
 
 }  // namespace troupe

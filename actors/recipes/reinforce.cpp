@@ -2,28 +2,11 @@
 // its group (no division by the std), and the loss is -A log pi summed over the completion's
 // tokens, over a constant length (Dr. GRPO's normaliser), with no clipping. On-policy samples
 // make the ratio 1, so this is the plain policy gradient; older ones keep the behaviour weight.
+// GRPO's loss computes exactly that with these settings, so the recipe is its configuration.
 #include "actors/graph.hpp"
 #include "actors/rl_recipe.hpp"
 
 namespace troupe {
-
-namespace {
-
-class Reinforce final : public RlRecipe {
- public:
-  explicit Reinforce(std::unique_ptr<Trainer> trainer) : trainer_(std::move(trainer)) {}
-  std::optional<RlUpdate> train(const std::vector<RolloutGroup>& groups, nlohmann::json&) override {
-    return RlUpdate{trainer_->grpo_step(groups)};
-  }
-  Transformer& model() override { return trainer_->model(); }
-  void save_state(const std::filesystem::path& dir) override { trainer_->save_state(dir / "optimizer.pt"); }
-  void load_state(const std::filesystem::path& dir) override { trainer_->load_state(dir / "optimizer.pt"); }
-
- private:
-  std::unique_ptr<Trainer> trainer_;
-};
-
-}  // namespace
 
 std::unique_ptr<RlRecipe> make_reinforce(Transformer policy, const GraphSpec& spec) {
   TrainerConfig config = spec.trainer;
@@ -32,7 +15,7 @@ std::unique_ptr<RlRecipe> make_reinforce(Transformer policy, const GraphSpec& sp
   config.loss.aggregation = grpo::Aggregation::dr_grpo;   // sum over tokens / constant length
   config.num_iterations = 1;                              // one pass: a plain gradient step
   if (config.loss.max_completion_length <= 0) config.loss.max_completion_length = spec.sampling.max_tokens;
-  return std::make_unique<Reinforce>(make_policy_trainer(std::move(policy), spec, std::move(config)));
+  return make_grpo_with(std::move(policy), spec, std::move(config));
 }
 
 }  // namespace troupe
