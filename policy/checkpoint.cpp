@@ -111,15 +111,22 @@ void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
 
 }  // namespace
 
+namespace {
+
+// Every tensor of a mapped file, copied out into `out`.
+void copy_tensors(const safetensors::File& file, std::map<std::string, torch::Tensor>& out) {
+  for (const auto& view : file.tensors()) {
+    // from_blob wants a mutable pointer; the clone makes the copy we own before anything writes.
+    auto t = torch::from_blob(const_cast<std::byte*>(view.data), view.shape, torch_dtype(view.dtype, view.name));
+    out[view.name] = t.clone();
+  }
+}
+
+}  // namespace
+
 std::map<std::string, torch::Tensor> read_safetensors(const safetensors::Checkpoint& checkpoint) {
   std::map<std::string, torch::Tensor> out;
-  for (const auto& file : checkpoint.files()) {
-    for (const auto& view : file->tensors()) {
-      // from_blob wants a mutable pointer; the clone makes the copy we own before anything writes.
-      auto t = torch::from_blob(const_cast<std::byte*>(view.data), view.shape, torch_dtype(view.dtype, view.name));
-      out[view.name] = t.clone();
-    }
-  }
+  for (const auto& file : checkpoint.files()) copy_tensors(*file, out);
   return out;
 }
 
@@ -209,11 +216,7 @@ int64_t write_safetensors(const fs::path& file, const std::map<std::string, torc
 
 std::map<std::string, torch::Tensor> read_safetensors_file(const fs::path& file) {
   std::map<std::string, torch::Tensor> out;
-  auto f = safetensors::File::open(file);
-  for (const auto& view : f->tensors()) {
-    auto t = torch::from_blob(const_cast<std::byte*>(view.data), view.shape, torch_dtype(view.dtype, view.name));
-    out[view.name] = t.clone();
-  }
+  copy_tensors(*safetensors::File::open(file), out);
   return out;
 }
 
