@@ -617,7 +617,8 @@ void parse_parallel(Map m, ParallelSection& c) {
 }
 
 void parse_cluster(Map m, ClusterSection& c) {
-  m.allow({"generator_processes", "join_timeout_s", "restarts"});
+  m.allow({"generator_processes", "join_timeout_s", "restarts", "reward_processes", "reference_processes", "lost_groups",
+           "answer_timeout_s"});
   m.get("generator_processes", c.generator_processes);
   m.check(c.generator_processes >= 0, "generator_processes",
           "must be >= 0 (0: generators in the run's own process)" + got(c.generator_processes));
@@ -625,6 +626,17 @@ void parse_cluster(Map m, ClusterSection& c) {
   m.check(c.join_timeout_s > 0, "join_timeout_s", "must be > 0" + got(c.join_timeout_s));
   m.get("restarts", c.restarts);
   m.check(c.restarts >= 0, "restarts", "must be >= 0 (0: a worker that dies is not replaced)" + got(c.restarts));
+  m.get("reward_processes", c.reward_processes);
+  m.check(c.reward_processes >= 0, "reward_processes", "must be >= 0 (0: the reward in the run's own process)" +
+                                                           got(c.reward_processes));
+  m.get("reference_processes", c.reference_processes);
+  m.check(c.reference_processes >= 0, "reference_processes",
+          "must be >= 0 (0: the reference in the run's own process)" + got(c.reference_processes));
+  m.get("lost_groups", c.lost_groups);
+  m.check(c.lost_groups == "retry" || c.lost_groups == "fail", "lost_groups",
+          "expected retry (score them on another worker) or fail, got " + quote(c.lost_groups));
+  m.get("answer_timeout_s", c.answer_timeout_s);
+  m.check(c.answer_timeout_s > 0, "answer_timeout_s", "must be > 0" + got(c.answer_timeout_s));
 }
 
 void parse_run(Map m, RunSection& c, const std::string& stem) {
@@ -720,6 +732,10 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
                                    " (each worker process runs one generator)" + got(c.generator.count));
     c.generator.count = c.cluster.generator_processes;
   }
+  top.map("cluster").check(graph || c.cluster.reward_processes == 0, "reward_processes",
+                           "only the RL recipes (grpo, ppo, online_dpo, reinforce) have a reward actor");
+  top.map("cluster").check(c.cluster.reference_processes == 0 || (graph && c.reference.enabled), "reference_processes",
+                           "needs the RL graph's reference actor (reference.enabled, or trainer.loss.beta > 0)");
   if (graph && c.rewards.empty())
     top.fail("rewards", "required: at least one reward for recipe " + std::string(to_string(c.recipe)) +
                             " (e.g. - {name: correct, kind: math_answer})");
@@ -1003,6 +1019,10 @@ std::string to_yaml(const RunConfig& c) {
   w.line(2, "generator_processes", fmt(c.cluster.generator_processes));
   w.line(2, "join_timeout_s", fmt(c.cluster.join_timeout_s));
   w.line(2, "restarts", fmt(c.cluster.restarts));
+  w.line(2, "reward_processes", fmt(c.cluster.reward_processes));
+  w.line(2, "reference_processes", fmt(c.cluster.reference_processes));
+  w.line(2, "lost_groups", c.cluster.lost_groups);
+  w.line(2, "answer_timeout_s", fmt(c.cluster.answer_timeout_s));
   w.line(0, "parallel", "");
   w.line(2, "trainer_ranks", fmt(c.parallel.trainer_ranks));
   w.line(2, "sharding", name_of(c.parallel.sharding));

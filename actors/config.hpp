@@ -199,6 +199,10 @@ struct ClusterSection {
   double join_timeout_s = 120;      // workers not joined by then (at the start, or after the last one
                                     // went away) fail the run
   int64_t restarts = 3;             // replacement worker processes for ones that die, in all
+  int64_t reward_processes = 0;     // >0: the reward in that many worker processes; 0: in this process
+  int64_t reference_processes = 0;  // the same for the reference (when there is one)
+  std::string lost_groups = "retry";  // groups a dead reward/reference worker held: retry elsewhere, or fail
+  double answer_timeout_s = 600;    // a reward/reference worker that does not answer a group by then lost it
   bool operator==(const ClusterSection&) const = default;
 };
 

@@ -11,11 +11,15 @@
 #include <fstream>
 #include <iostream>
 
+#include <torch/torch.h>
+
 #include "actors/actor_util.hpp"
 #include "actors/generator_pool.hpp"
 #include "actors/stage_actors.hpp"
+#include "actors/stage_router.hpp"
 #include "actors/trainer_actor.hpp"
 #include "actors/weight_plane.hpp"
+#include "policy/lora.hpp"
 
 namespace troupe {
 
@@ -27,8 +31,11 @@ struct ControllerState {
   const GraphSpec* spec = nullptr;
   actor waiter;
   data_actor data;
-  rollout_sink sink;   // where generators send groups: the reward actor
+  rollout_sink sink;   // where generators send groups: the reward actor (or its router)
   trainer_actor trainer;
+  // Stages in worker processes: their routers, and what a joining worker builds (JSON).
+  std::map<std::string, std::pair<stage_router, std::string>> stages;
+  std::unique_ptr<WeightStore> reference_weights;  // the starting policy, for reference workers
   // What goes to the generators, in order: weight notices and releases' prompts (empty until
   // the data actor answers; std::deque keeps the slot's address while it waits).
   std::deque<std::variant<WeightsReady, std::optional<PromptBatch>>> outbox;
@@ -181,6 +188,32 @@ void report(Self self, const StepReport& r) {
   st.pool.done(r.failed);
 }
 
+// A stage placed in worker processes: its router in this process, and the spec workers build.
+rollout_sink add_stage(Self self, const std::string& name, nlohmann::json built, rollout_sink next) {
+  auto& st = self->state;
+  const GraphSpec& spec = *st.spec;
+  auto router = spawn_stage_router(self->system(), {name, std::move(next), spec.retry_lost_groups, spec.worker_join_timeout_s,
+                                                    spec.stage_answer_timeout_s});
+  st.stages[name] = {router, built.dump()};
+  return actor_cast<rollout_sink>(router);
+}
+
+// The reference: the starting policy, in this process or (written once to the weight plane)
+// in reference workers.
+rollout_sink spawn_reference_stage(Self self, rollout_sink next) {
+  auto& st = self->state;
+  const GraphSpec& spec = *st.spec;
+  if (spec.reference_processes == 0)
+    return spawn_reference(self->system(), spec.make_policy(), spec.trainer_threads, spec.trainer.logprob_chunk, next);
+  auto weights = merged_state_dict(*spec.make_policy());
+  int64_t bytes = 0;
+  for (const auto& [name, t] : weights) bytes += t.numel() * t.element_size();
+  st.reference_weights = std::make_unique<WeightStore>(spec.run_dir.empty() ? std::filesystem::path() : spec.run_dir / "weights", bytes);
+  ReferenceStageSpec r{spec.model_source.string(), st.reference_weights->write(weights, 0).path, spec.generator_dtype,
+                       spec.generator_device, spec.trainer_threads, spec.trainer.logprob_chunk};
+  return add_stage(self, "reference", to_json(r), std::move(next));
+}
+
 // Downstream first, so each actor is spawned knowing where to send.
 void spawn_graph(Self self) {
   auto& st = self->state;
@@ -190,10 +223,13 @@ void spawn_graph(Self self) {
   st.trainer = trainer;
   rollout_sink after_reward = actor_cast<rollout_sink>(trainer);
   if (spec.reference) {
-    after_reward = spawn_reference(system, spec.make_policy(), spec.trainer_threads, spec.trainer.logprob_chunk, trainer);
+    after_reward = spawn_reference_stage(self, after_reward);
     st.all.push_back(actor_cast<actor>(after_reward));
   }
-  st.sink = spawn_reward(system, spec.reward, spec.tokenizer, after_reward);
+  if (spec.reward_processes > 0)
+    st.sink = add_stage(self, "reward", to_json(RewardStageSpec{spec.reward_specs, spec.tokenizer_path.string()}), after_reward);
+  else
+    st.sink = spawn_reward(system, spec.reward, spec.tokenizer, after_reward);
   st.data = spawn_data(system, spec.next_prompts);
   for (const auto& a : {actor_cast<actor>(trainer), actor_cast<actor>(st.sink), actor_cast<actor>(st.data)}) st.all.push_back(a);
   for (const auto& a : st.all) self->monitor(a);
@@ -236,10 +272,24 @@ void tick(Self self) {
   self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
 }
 
-controller_actor::behavior_type controller(Self self, const GraphSpec* spec, actor waiter) {
+// A generator worker joins with the generator it built, in the slot it was given.
+void join_generator(Self self, int64_t index, generator_actor g) {
   auto& st = self->state;
-  st.spec = spec;
-  st.waiter = waiter;
+  if (!st.pool.has(index) || st.pool.at(index).live) {
+    self->send_exit(g, make_error(sec::runtime_error, "generator slot " + std::to_string(index) + " is not free"));
+    return;
+  }
+  add_generator(self, index, g, true);
+  std::cout << "troupe run: generator " << index << " joined from another process (" << st.pool.live() << " live";
+  if (!st.notices.empty()) std::cout << ", sent weights v" << st.notices.rbegin()->first;
+  std::cout << ")" << std::endl;
+  start_when_ready(self);
+}
+
+// Handlers for failures, the metrics file, the graph, and its end with the controller's.
+void start(Self self) {
+  auto& st = self->state;
+  const GraphSpec* spec = st.spec;
   self->set_down_handler([=](down_msg& dm) {
     if (self->state.shutting_down || lose_generator(self, dm)) return;
     std::string why = dm.reason ? reason_text(dm.reason) : "normal exit";
@@ -266,6 +316,12 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
     for (const auto& a : local) anon_send_exit(a, exit_reason::user_shutdown);
   });
   self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
+}
+
+controller_actor::behavior_type controller(Self self, const GraphSpec* spec, actor waiter) {
+  self->state.spec = spec;
+  self->state.waiter = waiter;
+  start(self);
   return {
       [=](const WeightsReady& notice) {
         auto& st = self->state;
@@ -295,49 +351,19 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
         auto& st = self->state;
         return {st.pool.reserve(), to_json(generator_spec(*st.spec)).dump(), st.sink};
       },
-      [=](join_atom, int64_t index, generator_actor g) {
+      // A reward or reference worker asks what to build and where to join.
+      [=](join_atom, const std::string& role) -> result<std::string, stage_router> {
         auto& st = self->state;
-        if (!st.pool.has(index) || st.pool.at(index).live) {
-          self->send_exit(g, make_error(sec::runtime_error, "generator slot " + std::to_string(index) + " is not free"));
-          return;
-        }
-        add_generator(self, index, g, true);
-        std::cout << "troupe run: generator " << index << " joined from another process (" << st.pool.live() << " live";
-        if (!st.notices.empty()) std::cout << ", sent weights v" << st.notices.rbegin()->first;
-        std::cout << ")" << std::endl;
-        start_when_ready(self);
+        auto it = st.stages.find(role);
+        if (it == st.stages.end())
+          return make_error(sec::runtime_error, "this run places no " + role + " in worker processes");
+        return {it->second.second, it->second.first};
       },
+      [=](join_atom, int64_t index, generator_actor g) { join_generator(self, index, g); },
   };
 }
 
 }  // namespace
-
-std::string progress_line(const nlohmann::json& j, int64_t steps) {
-  // A non-finite figure is stored as null: shown as nan, never a throw.
-  auto num = [&](const char* key) { return j.contains(key) && j[key].is_number() ? j[key].get<double>() : std::nan(""); };
-  char buf[320];
-  const auto failed = j["rollouts/failed"].get<int64_t>();
-  if (j["loss"].is_null() && failed == 0) {
-    std::snprintf(buf, sizeof buf, "step %lld/%lld  v%lld  no preference pairs (every group's rewards tied), no update",
-                  (long long)j["step"].get<int64_t>(), (long long)steps, (long long)j["policy_version"].get<int64_t>());
-    return buf;
-  }
-  if (j["loss"].is_null()) {
-    std::snprintf(buf, sizeof buf, "step %lld/%lld  v%lld  all %lld groups failed, no update (see failures.jsonl)",
-                  (long long)j["step"].get<int64_t>(), (long long)steps, (long long)j["policy_version"].get<int64_t>(),
-                  (long long)failed);
-    return buf;
-  }
-  int n = std::snprintf(buf, sizeof buf,
-                        "step %lld/%lld  v%lld  reward %.3f  loss %+.4f  kl %.4f  stale %.2f/%lld  wait %.1fs  train %.1fs  %.0f tok/s",
-                        (long long)j["step"].get<int64_t>(), (long long)steps, (long long)j["policy_version"].get<int64_t>(),
-                        num("reward/mean"), num("loss"), num("kl"), num("staleness/mean"),
-                        (long long)j["staleness/max"].get<int64_t>(), num("time/generate_wait_s"), num("time/step_s"),
-                        num("tokens_per_s"));
-  if (failed > 0 && n > 0 && n < static_cast<int>(sizeof buf))
-    std::snprintf(buf + n, sizeof buf - n, "  %lld failed", (long long)failed);
-  return buf;
-}
 
 controller_actor spawn_controller(actor_system& system, const GraphSpec* spec, actor waiter) {
   return system.spawn(controller, spec, std::move(waiter));

@@ -44,6 +44,37 @@ std::string rank_file(const std::string& stem, const recipe::Policy& p) {
   return stem + (p.rank > 0 ? ".rank" + std::to_string(p.rank) : std::string()) + ".json";
 }
 
+// The frozen reference's log-probs of every pair, computed once and cached next to the run;
+// the reference model is freed on return: the steps need only its numbers.
+void add_reference_logprobs(const RunConfig& c, const recipe::Policy& policy, std::vector<dpo::Pair>& train,
+                            std::vector<dpo::Pair>& held_out) {
+  auto reference = load_model(c.reference.path, {.dtype = recipe::dtype_of(c.model.dtype),
+                                                 .device = torch::Device(c.model.device), .tokenizer = false});
+  dpo::ReferenceOptions ro{.batch_pairs = std::max<int64_t>(1, c.trainer.micro_batch > 0 ? c.trainer.micro_batch : 8),
+                           .chunk = c.trainer.logprob_chunk,
+                           .cache = std::filesystem::path(c.run.dir) / rank_file("reference_logprobs", policy),
+                           .model_id = c.reference.path};
+  dpo::compute_reference(*reference.model, train, ro);
+  if (!held_out.empty()) {
+    ro.cache = std::filesystem::path(c.run.dir) / rank_file("reference_logprobs_eval", policy);
+    dpo::compute_reference(*reference.model, held_out, ro);
+  }
+}
+
+// The next batch_size pairs in data order, this rank's part of them; `tokens` counts all of them.
+std::vector<dpo::Pair> next_batch(const RunConfig& c, const recipe::Policy& policy, const std::vector<dpo::Pair>& train,
+                                  recipe::DataOrder& order, int64_t& tokens) {
+  std::vector<dpo::Pair> batch;
+  const auto indices = order.next(c.trainer.batch_size);
+  const auto [begin, end] = policy.share(static_cast<int64_t>(indices.size()));
+  for (int64_t k = 0; k < static_cast<int64_t>(indices.size()); ++k) {
+    const auto& pair = train[indices[k]];
+    tokens += pair.chosen.size() + pair.rejected.size();
+    if (k >= begin && k < end) batch.push_back(pair);
+  }
+  return batch;
+}
+
 }  // namespace
 
 GraphResult run_dpo(const RunConfig& c, const std::atomic<bool>* stop_requested) {
@@ -63,19 +94,7 @@ GraphResult run_dpo(const RunConfig& c, const std::atomic<bool>* stop_requested)
     start = resume->step + 1;
   }
   recipe::RunFolder folder(c, resume ? resume->step : 0, policy.writer());
-  {
-    auto reference = load_model(c.reference.path, {.dtype = recipe::dtype_of(c.model.dtype),
-                                                   .device = torch::Device(c.model.device), .tokenizer = false});
-    dpo::ReferenceOptions ro{.batch_pairs = std::max<int64_t>(1, c.trainer.micro_batch > 0 ? c.trainer.micro_batch : 8),
-                             .chunk = c.trainer.logprob_chunk,
-                             .cache = std::filesystem::path(c.run.dir) / rank_file("reference_logprobs", policy),
-                             .model_id = c.reference.path};
-    dpo::compute_reference(*reference.model, train, ro);
-    if (!held_out.empty()) {
-      ro.cache = std::filesystem::path(c.run.dir) / rank_file("reference_logprobs_eval", policy);
-      dpo::compute_reference(*reference.model, held_out, ro);
-    }
-  }  // the reference is freed here: the steps need only its numbers
+  add_reference_logprobs(c, policy, train, held_out);
   recipe::DataOrder order(static_cast<int64_t>(train.size()), c.data.shuffle, c.data.seed);
   if (policy.writer()) std::cout << "troupe run: dpo on " << train.size() << " pairs"
             << (held_out.empty() ? "" : ", " + std::to_string(held_out.size()) + " held out") << ", beta "
@@ -89,15 +108,8 @@ GraphResult run_dpo(const RunConfig& c, const std::atomic<bool>* stop_requested)
     std::cout << "troupe run: resumed from " << resume->dir.string() << " (step " << resume->step << ")" << std::endl;
   }
   for (int64_t step = start; step <= c.trainer.steps; ++step) {
-    std::vector<dpo::Pair> batch;
     int64_t tokens = 0;
-    const auto indices = order.next(c.trainer.batch_size);
-    const auto [begin, end] = policy.share(static_cast<int64_t>(indices.size()));  // this rank's part
-    for (int64_t k = 0; k < static_cast<int64_t>(indices.size()); ++k) {
-      const auto& pair = train[indices[k]];
-      tokens += pair.chosen.size() + pair.rejected.size();
-      if (k >= begin && k < end) batch.push_back(pair);
-    }
+    auto batch = next_batch(c, policy, train, order, tokens);
     auto m = policy.trainer->dpo_step(batch);
     nlohmann::json j{{"loss", m.loss}, {"rewards/chosen", m.reward_chosen}, {"rewards/rejected", m.reward_rejected},
                      {"rewards/accuracies", m.accuracy}, {"rewards/margins", m.margin},

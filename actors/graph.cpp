@@ -30,6 +30,8 @@ void add_message_types(actor_system_config& config) {
   config.add_message_type<generator_actor>("troupe::generator_actor");
   config.add_message_type<rollout_sink>("troupe::rollout_sink");
   config.add_message_type<controller_actor>("troupe::controller_actor");
+  config.add_message_type<stage_worker>("troupe::stage_worker");
+  config.add_message_type<stage_router>("troupe::stage_router");
   // Across processes: only a peer of this very protocol is accepted at the handshake, and a
   // peer that goes silent (hung, or its host gone) is dropped after the connection timeout.
   config.set("middleman.app-identifiers", std::vector<std::string>{app_identifier()});
@@ -38,6 +40,7 @@ void add_message_types(actor_system_config& config) {
 }
 
 std::string reason_text(const error& reason) {
+  if (reason == exit_reason::remote_link_unreachable) return "its process, or the connection to it, was lost";
   const auto& context = reason.context();
   // make_error(code, text) carries the text as the context's last string.
   for (size_t i = context.size(); i > 0; --i)
@@ -70,7 +73,12 @@ void check(const GraphSpec& spec) {
   if (!is_rl_recipe(spec.recipe)) throw Error("run_graph: unknown RL recipe '" + spec.recipe + "'");
   if (spec.batch_groups < 1 || spec.steps < 1 || spec.generators < 1 || spec.max_staleness < 0 || spec.sync_every < 1)
     throw Error("run_graph: batch_groups, steps, generators and sync_every must be >= 1 and max_staleness >= 0");
-  if (spec.generator_processes < 0) throw Error("run_graph: generator_processes must be >= 0");
+  if (spec.generator_processes < 0 || spec.reward_processes < 0 || spec.reference_processes < 0)
+    throw Error("run_graph: generator_processes, reward_processes and reference_processes must be >= 0");
+  if (spec.reward_processes > 0 && spec.reward_specs.empty())
+    throw Error("run_graph: reward_processes needs reward_specs (what a reward worker builds)");
+  if (spec.reference_processes > 0 && !spec.reference)
+    throw Error("run_graph: reference_processes without a reference (trainer.loss.beta > 0 or reference.enabled)");
   if (!spec.remote_url.empty() && spec.generators != 1)
     throw Error("run_graph: a remote generator drives one server; got " + std::to_string(spec.generators) +
                 " generators for " + spec.remote_url);
@@ -105,20 +113,23 @@ GraphResult run_graph(const GraphSpec& spec) {
   {
     actor_system_config config;
     add_message_types(config);
-    if (spec.generator_processes > 0) config.load<io::middleman>();
+    if (spec.worker_processes() > 0) config.load<io::middleman>();
     actor_system system{config};
     scoped_actor self{system};
     auto controller = spawn_controller(system, &spec, actor{self});
     std::optional<WorkerProcesses> workers;
-    if (spec.generator_processes > 0) {
+    if (spec.worker_processes() > 0) {
       // Loopback only: workers on this host. Workers elsewhere use `troupe worker --connect`.
       auto port = system.middleman().publish(controller, 0, "127.0.0.1");
       if (!port) {
         anon_send_exit(controller, exit_reason::user_shutdown);
-        throw Error("run_graph: cannot listen for generator workers on 127.0.0.1: " + system.render(port.error()));
+        throw Error("run_graph: cannot listen for workers on 127.0.0.1: " + system.render(port.error()));
       }
-      std::cout << "troupe run: generator workers join at 127.0.0.1:" << *port << std::endl;
-      workers.emplace(spec.worker_program, "127.0.0.1", *port, spec.generator_processes, spec.worker_restarts);
+      std::cout << "troupe run: workers join at 127.0.0.1:" << *port << std::endl;
+      std::vector<std::string> roles(spec.generator_processes, "generator");
+      roles.insert(roles.end(), spec.reward_processes, "reward");
+      roles.insert(roles.end(), spec.reference_processes, "reference");
+      workers.emplace(spec.worker_program, "127.0.0.1", *port, roles, spec.worker_restarts);
     }
     // The summary, or the controller's end if it died without one (never a hang).
     self->monitor(controller);

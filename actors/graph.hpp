@@ -75,6 +75,16 @@ struct GraphSpec {
   double worker_join_timeout_s = 120;    // workers not joined by then (at the start, or after the last
                                          // one went away) fail the run
   int64_t worker_restarts = 3;           // replacement processes for workers that die, in all
+  // The reward and the reference in worker processes on this host instead (`troupe worker
+  // --role reward|reference`), behind a stage router (actors/stage_router.hpp): 0 keeps them in
+  // this process. A reward worker builds reward_specs; a reference worker takes the starting
+  // policy from the weight plane.
+  int64_t reward_processes = 0;
+  int64_t reference_processes = 0;
+  std::vector<RewardSpec> reward_specs;
+  bool retry_lost_groups = true;       // groups a dead reward/reference worker held: scored again, or failed
+  double stage_answer_timeout_s = 600;  // a group not answered by then counts as lost with its worker
+  int64_t worker_processes() const { return generator_processes + reward_processes + reference_processes; }
   // Intra-op CPU threads per actor (0: LibTorch's default, every core). Set per thread, so a
   // generator and the trainer can split the cores instead of contending for all of them.
   int64_t generator_threads = 0;

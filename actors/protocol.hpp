@@ -71,13 +71,22 @@ using rollout_sink = caf::typed_actor<caf::reacts_to<RolloutGroup>>;
 using data_actor = caf::typed_actor<caf::replies_to<next_atom, int64_t, int64_t>::with<PromptBatch>>;
 // step: the generator's own decode loop, through its mailbox so notices land between steps.
 using generator_actor = caf::typed_actor<caf::reacts_to<PromptBatch>, caf::reacts_to<WeightsReady>, caf::reacts_to<step_atom>>;
+// A reward or reference stage in a worker process: takes a group and answers with it scored.
+using stage_worker = caf::typed_actor<caf::replies_to<RolloutGroup>::with<RolloutGroup>>;
+// The run's end of a stage placed in worker processes (actors/stage_router.hpp): it takes groups
+// like any sink, hands each to a live worker and passes the answer on; workers join it.
+using stage_router =
+    caf::typed_actor<caf::reacts_to<RolloutGroup>, caf::reacts_to<join_atom, stage_worker>, caf::reacts_to<tick_atom>>;
 using controller_actor =
     caf::typed_actor<caf::reacts_to<WeightsReady>, caf::reacts_to<WeightsLoaded>, caf::reacts_to<StepReport>,
                      caf::reacts_to<tick_atom>,
                      // a worker process asks what to build: its index, the GeneratorSpec as JSON, the sink
                      caf::replies_to<join_atom>::with<int64_t, std::string, rollout_sink>,
                      // and then joins with the generator it built
-                     caf::reacts_to<join_atom, int64_t, generator_actor>>;
+                     caf::reacts_to<join_atom, int64_t, generator_actor>,
+                     // a reward or reference worker asks what to build (its role): the spec as
+                     // JSON and the router it joins
+                     caf::replies_to<join_atom, std::string>::with<std::string, stage_router>>;
 // go: the generators are there and the first prompts are out; a resumed trainer trains the
 // checkpoint's buffered batches only then, so its next version follows those prompts.
 using trainer_actor = caf::typed_actor<caf::reacts_to<RolloutGroup>, caf::reacts_to<go_atom>>;

@@ -1,5 +1,9 @@
 #include "actors/actor_util.hpp"
 #include "actors/stage_actors.hpp"
+#include "actors/weight_plane.hpp"
+#include "policy/checkpoint.hpp"
+#include "policy/dtype.hpp"
+#include "policy/error.hpp"
 #include "trainer/trainer.hpp"
 
 namespace troupe {
@@ -18,7 +22,47 @@ rollout_sink::behavior_type reference(rollout_sink::pointer self, Transformer mo
   }};
 }
 
+stage_worker::behavior_type reference_worker(stage_worker::pointer self, ReferenceStageSpec spec) {
+  name_failures(self, "reference");
+  use_threads(spec.threads);
+  const torch::Device device(spec.device);
+  auto m = load_model(spec.model, {.dtype = choose_dtype(spec.dtype, device, "reference dtype").dtype, .device = device,
+                                   .tokenizer = false});
+  load_weights(*m.model, read_weights(WeightsReady{0, spec.weights, 0, 0}), spec.weights);
+  m.model->eval();
+  std::shared_ptr<TransformerImpl> impl = m.model.ptr();
+  const int64_t chunk = spec.logprob_chunk;
+  return {[=](RolloutGroup& g) -> RolloutGroup {
+    g.reference_logprobs = completion_logprobs(*impl, g, chunk);
+    return std::move(g);
+  }};
+}
+
 }  // namespace
+
+nlohmann::json to_json(const ReferenceStageSpec& s) {
+  return {{"model", s.model}, {"weights", s.weights}, {"dtype", s.dtype}, {"device", s.device},
+          {"threads", s.threads}, {"logprob_chunk", s.logprob_chunk}};
+}
+
+ReferenceStageSpec reference_stage_spec_from_json(const nlohmann::json& j) {
+  ReferenceStageSpec s;
+  try {
+    j.at("model").get_to(s.model);
+    j.at("weights").get_to(s.weights);
+    j.at("dtype").get_to(s.dtype);
+    j.at("device").get_to(s.device);
+    j.at("threads").get_to(s.threads);
+    j.at("logprob_chunk").get_to(s.logprob_chunk);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(std::string("reference stage spec: ") + e.what());
+  }
+  return s;
+}
+
+stage_worker spawn_reference_worker(caf::actor_system& system, const ReferenceStageSpec& spec) {
+  return system.spawn<caf::detached>(reference_worker, spec);
+}
 
 rollout_sink spawn_reference(caf::actor_system& system, Transformer model, int64_t threads, int64_t logprob_chunk,
                              rollout_sink next) {

@@ -114,6 +114,11 @@ void set_generation(GraphSpec& spec, const RunConfig& c) {
   spec.generator_processes = c.cluster.generator_processes;
   spec.worker_join_timeout_s = c.cluster.join_timeout_s;
   spec.worker_restarts = c.cluster.restarts;
+  spec.reward_processes = c.cluster.reward_processes;
+  spec.reference_processes = c.cluster.reference_processes;
+  spec.reward_specs = to_reward_specs(c);
+  spec.retry_lost_groups = c.cluster.lost_groups == "retry";
+  spec.stage_answer_timeout_s = c.cluster.answer_timeout_s;
   spec.generator_threads = c.generator.threads;
   spec.trainer_threads = c.trainer.threads;
   if (c.generator.engine == EngineKind::remote) {
@@ -137,6 +142,34 @@ void set_schedule(GraphSpec& spec, const RunConfig& c) {
   spec.deterministic = c.run.deterministic;
   spec.recipe = std::string(to_string(c.recipe));
   set_generation(spec, c);
+}
+
+// The graph from the config: the starting policy (also on resume: the reference and LoRA's base
+// are made from it, and the warm-up is deterministic, so it is made again rather than stored),
+// the prompts, the rewards, the trainer and the schedule.
+GraphSpec graph_spec(const RunConfig& c, const Tokenizer& tokenizer, std::shared_ptr<PromptSource> source) {
+  GraphSpec spec;
+  spec.reward = std::make_shared<CombinedReward>(make_combined_reward(to_reward_specs(c)));  // plugins load here
+  spec.model_config = load_model(c.model.path, {.tokenizer = false}).config;
+  std::optional<std::map<std::string, torch::Tensor>> start;
+  if (c.trainer.sft_warmup) start = sft_warmup(c, tokenizer);
+  const LoadOptions load{.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device), .tokenizer = false};
+  spec.make_policy = [path = c.model.path, load, start] {
+    auto m = load_model(path, load);
+    if (start) load_weights(*m.model, *start, "sft warmup");
+    return m.model;
+  };
+  spec.tokenizer = tokenizer;
+  spec.next_prompts = [source](int64_t n) {
+    std::vector<PromptItem> out;
+    for (auto& p : source->next(n)) out.push_back({p.id, 0, std::move(p.ids), std::move(p.text), p.metadata.dump()});
+    return out;
+  };
+  spec.trainer = trainer_config(c);
+  spec.lora = recipe::lora_config(c);
+  if (c.recipe == Recipe::ppo) spec.ppo = ppo_config(c, spec.trainer.optimizer);
+  set_schedule(spec, c);
+  return spec;
 }
 
 }  // namespace
@@ -164,33 +197,7 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
   auto tokenizer = Tokenizer::load(c.model.path);
   auto source = std::make_shared<PromptSource>(c.data.train.path, tokenizer,
                                                prompt_options(c.data.train, tokenizer, c.data, c.model.path));
-  auto reward = std::make_shared<CombinedReward>(make_combined_reward(to_reward_specs(c)));
-  auto model_config = load_model(c.model.path, {.tokenizer = false}).config;
-
-  // The starting policy, also on resume: the reference and LoRA's base are made from it
-  // (the warm-up is deterministic, so it is made again rather than stored).
-  std::optional<std::map<std::string, torch::Tensor>> start;
-  if (c.trainer.sft_warmup) start = sft_warmup(c, tokenizer);
-
-  const LoadOptions load{.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device), .tokenizer = false};
-  GraphSpec spec;
-  spec.make_policy = [path = c.model.path, load, start] {
-    auto m = load_model(path, load);
-    if (start) load_weights(*m.model, *start, "sft warmup");
-    return m.model;
-  };
-  spec.tokenizer = tokenizer;
-  spec.next_prompts = [source](int64_t n) {
-    std::vector<PromptItem> out;
-    for (auto& p : source->next(n)) out.push_back({p.id, 0, std::move(p.ids), std::move(p.text), p.metadata.dump()});
-    return out;
-  };
-  spec.reward = reward;
-  spec.trainer = trainer_config(c);
-  spec.lora = recipe::lora_config(c);
-  if (c.recipe == Recipe::ppo) spec.ppo = ppo_config(c, spec.trainer.optimizer);
-  set_schedule(spec, c);
-  spec.model_config = model_config;
+  GraphSpec spec = graph_spec(c, tokenizer, source);
   spec.stop_requested = stop_requested;
   std::filesystem::create_directories(spec.run_dir);
   std::ofstream(spec.run_dir / "config.yaml") << to_yaml(c);

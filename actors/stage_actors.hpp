@@ -8,7 +8,10 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "actors/protocol.hpp"
 #include "policy/tokenizer.hpp"
@@ -27,5 +30,28 @@ rollout_sink spawn_reward(caf::actor_system& system, std::shared_ptr<const Combi
 // `model` is the reference policy (the starting one); `threads` its intra-op threads.
 rollout_sink spawn_reference(caf::actor_system& system, Transformer model, int64_t threads, int64_t logprob_chunk,
                              rollout_sink next);
+
+// The same stages in a worker process (`troupe worker --role reward|reference`), built from
+// plain data the controller sends as JSON; each answers a group with it scored.
+struct RewardStageSpec {
+  std::vector<RewardSpec> rewards;
+  std::string tokenizer;  // folder or .gguf the completions are decoded with
+};
+struct ReferenceStageSpec {
+  std::string model;    // the architecture (HF folder or .gguf)
+  std::string weights;  // the starting policy, as the run wrote it (safetensors on the weight plane)
+  std::string dtype = "float32";
+  std::string device = "cpu";
+  int64_t threads = 0;
+  int64_t logprob_chunk = 0;
+};
+nlohmann::json to_json(const RewardStageSpec& spec);
+nlohmann::json to_json(const ReferenceStageSpec& spec);
+// Both throw Error naming the bad field.
+RewardStageSpec reward_stage_spec_from_json(const nlohmann::json& j);
+ReferenceStageSpec reference_stage_spec_from_json(const nlohmann::json& j);
+
+stage_worker spawn_reward_worker(caf::actor_system& system, const RewardStageSpec& spec);
+stage_worker spawn_reference_worker(caf::actor_system& system, const ReferenceStageSpec& spec);
 
 }  // namespace troupe

@@ -14,6 +14,7 @@
 
 #include "actors/generator_actor.hpp"
 #include "actors/protocol.hpp"
+#include "actors/stage_actors.hpp"
 #include "policy/error.hpp"
 
 extern char** environ;
@@ -30,10 +31,41 @@ std::string app_identifier() {
 #endif
   // TROUPE_APP_ID lets a test play a worker of another build.
   if (const char* other = std::getenv("TROUPE_APP_ID")) return other;
-  return "troupe-" + version + "-graph-protocol-1";
+  return "troupe-" + version + "-graph-protocol-2";
 }
 
 namespace {
+
+// Runs until `built` (the worker's actor) or the controller goes down; returns the exit status.
+int wait_until_down(actor_system& system, scoped_actor& self, const actor& built, const controller_actor& controller,
+                    const std::string& what) {
+  self->monitor(built);
+  self->monitor(controller);
+  int status = 0;
+  bool done = false;
+  while (!done) {
+    self->receive([&](down_msg& dm) {
+      if (dm.source == built.address()) {
+        // The controller ends the run by stopping what it spawned: that is a clean exit.
+        if (dm.reason && dm.reason != exit_reason::user_shutdown) {
+          std::cerr << "troupe worker: " << what << " failed: " << reason_text(dm.reason) << std::endl;
+          status = 1;
+        }
+        done = true;
+      } else {
+        if (dm.reason && dm.reason != exit_reason::normal)
+          std::cerr << "troupe worker: the controller went away (" << system.render(dm.reason) << "); stopping " << what
+                    << std::endl;
+        else
+          std::cout << "troupe worker: the run ended; stopping " << what << std::endl;
+        self->send_exit(built, exit_reason::user_shutdown);
+      }
+    });
+  }
+  return status;
+}
+
+std::chrono::milliseconds millis(double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); }
 
 // Asks the controller what to build, builds it, joins, and waits until the generator or the
 // controller goes down. Returns the exit status.
@@ -43,7 +75,7 @@ int serve_generator(actor_system& system, controller_actor controller, double ti
   std::string spec_json;
   rollout_sink sink;
   std::string failure;
-  self->request(controller, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)), join_atom::value)
+  self->request(controller, millis(timeout_s), join_atom::value)
       .receive([&](int64_t i, std::string& s, rollout_sink& next) { index = i, spec_json = std::move(s), sink = std::move(next); },
                [&](error& e) { failure = system.render(e); });
   if (!failure.empty()) {
@@ -52,39 +84,36 @@ int serve_generator(actor_system& system, controller_actor controller, double ti
   }
   auto spec = generator_spec_from_json(nlohmann::json::parse(spec_json));
   auto generator = spawn_generator(system, std::move(spec), sink, controller, index);
-  self->monitor(generator);
-  self->monitor(controller);
   self->send(controller, join_atom::value, index, generator);
   std::cout << "troupe worker: generator " << index << " joined (pid " << ::getpid() << ")" << std::endl;
-  int status = 0;
-  bool done = false;
-  while (!done) {
-    self->receive([&](down_msg& dm) {
-      if (dm.source == generator.address()) {
-        // The controller ends the run by stopping its generators: that is a clean exit.
-        if (dm.reason && dm.reason != exit_reason::user_shutdown) {
-          std::cerr << "troupe worker: generator " << index << " failed: " << reason_text(dm.reason) << std::endl;
-          status = 1;
-        }
-        done = true;
-      } else {
-        if (dm.reason && dm.reason != exit_reason::normal)
-          std::cerr << "troupe worker: the controller went away (" << system.render(dm.reason) << "); stopping generator "
-                    << index << std::endl;
-        else
-          std::cout << "troupe worker: the run ended; stopping generator " << index << std::endl;
-        self->send_exit(generator, exit_reason::user_shutdown);
-      }
-    });
+  return wait_until_down(system, self, actor_cast<actor>(generator), controller, "generator " + std::to_string(index));
+}
+
+// The same for a reward or reference stage: it joins the stage's router.
+int serve_stage(actor_system& system, controller_actor controller, const std::string& role, double timeout_s) {
+  scoped_actor self{system};
+  std::string spec_json, failure;
+  stage_router router;
+  self->request(controller, millis(timeout_s), join_atom::value, role)
+      .receive([&](std::string& s, stage_router& r) { spec_json = std::move(s), router = std::move(r); },
+               [&](error& e) { failure = reason_text(e); });
+  if (!failure.empty()) {
+    std::cerr << "troupe worker: the controller refused to add a " << role << " worker: " << failure << std::endl;
+    return 1;
   }
-  return status;
+  auto j = nlohmann::json::parse(spec_json);
+  auto stage = role == "reward" ? spawn_reward_worker(system, reward_stage_spec_from_json(j))
+                                : spawn_reference_worker(system, reference_stage_spec_from_json(j));
+  self->send(router, join_atom::value, stage);
+  std::cout << "troupe worker: " << role << " joined (pid " << ::getpid() << ")" << std::endl;
+  return wait_until_down(system, self, actor_cast<actor>(stage), controller, role);
 }
 
 }  // namespace
 
 int run_worker(const std::string& host, uint16_t port, const std::string& role, double timeout_s) {
-  if (role != "generator") {
-    std::cerr << "troupe worker: --role " << role << ": unknown role (known: generator)" << std::endl;
+  if (role != "generator" && role != "reward" && role != "reference") {
+    std::cerr << "troupe worker: --role " << role << ": unknown role (known: generator, reward, reference)" << std::endl;
     return 2;
   }
   actor_system_config config;
@@ -111,20 +140,22 @@ int run_worker(const std::string& host, uint16_t port, const std::string& role, 
     return 1;
   }
   try {
-    return serve_generator(system, *controller, timeout_s);
+    return role == "generator" ? serve_generator(system, *controller, timeout_s)
+                               : serve_stage(system, *controller, role, timeout_s);
   } catch (const std::exception& e) {
     std::cerr << "troupe worker: " << e.what() << std::endl;
     return 1;
   }
 }
 
-WorkerProcesses::WorkerProcesses(std::filesystem::path program, const std::string& host, uint16_t port, int64_t n,
-                                 int64_t restarts)
+WorkerProcesses::WorkerProcesses(std::filesystem::path program, const std::string& host, uint16_t port,
+                                 std::vector<std::string> roles, int64_t restarts)
     : program_(program.empty() ? std::filesystem::read_symlink("/proc/self/exe") : std::move(program)),
       where_(host + ":" + std::to_string(port)),
+      roles_(std::move(roles)),
       restarts_left_(restarts) {
   try {
-    for (int64_t i = 0; i < n; ++i) pids_.push_back(start());
+    for (const auto& role : roles_) pids_.push_back(start(role));
   } catch (...) {
     for (pid_t pid : pids_) {
       ::kill(pid, SIGKILL);
@@ -135,8 +166,8 @@ WorkerProcesses::WorkerProcesses(std::filesystem::path program, const std::strin
   supervisor_ = std::thread([this] { supervise(); });
 }
 
-pid_t WorkerProcesses::start() const {
-  std::vector<std::string> args = {program_.string(), "worker", "--connect", where_, "--role", "generator"};
+pid_t WorkerProcesses::start(const std::string& role) const {
+  std::vector<std::string> args = {program_.string(), "worker", "--connect", where_, "--role", role};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -155,7 +186,7 @@ pid_t WorkerProcesses::start() const {
   pid_t pid = 0;
   int rc = posix_spawn(&pid, program_.c_str(), nullptr, &attr, argv.data(), environ);
   posix_spawnattr_destroy(&attr);
-  if (rc != 0) throw Error("cannot start a generator worker (" + program_.string() + "): " + std::strerror(rc));
+  if (rc != 0) throw Error("cannot start a " + role + " worker (" + program_.string() + "): " + std::strerror(rc));
   return pid;
 }
 
@@ -164,25 +195,27 @@ void WorkerProcesses::supervise() {
   while (!stopping_) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::lock_guard lock(mu_);
-    for (auto& pid : pids_) {
+    for (size_t i = 0; i < pids_.size(); ++i) {
+      auto& pid = pids_[i];
       int status = 0;
       if (pid <= 0 || waitpid(pid, &status, WNOHANG) != pid || stopping_) continue;
       std::string how = WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
                                             : "exit status " + std::to_string(WEXITSTATUS(status));
+      const std::string& role = roles_[i];
       if (restarts_left_ <= 0) {
-        std::cerr << "troupe run: generator worker " << pid << " ended (" << how << "); no restarts left (cluster.restarts)"
-                  << std::endl;
+        std::cerr << "troupe run: " << role << " worker " << pid << " ended (" << how
+                  << "); no restarts left (cluster.restarts)" << std::endl;
         pid = -1;
         continue;
       }
       --restarts_left_;
       pid_t replacement = -1;
       try {
-        replacement = start();
+        replacement = start(role);
       } catch (const std::exception& e) {
         std::cerr << "troupe run: " << e.what() << std::endl;
       }
-      std::cerr << "troupe run: generator worker " << pid << " ended (" << how << "); started worker " << replacement
+      std::cerr << "troupe run: " << role << " worker " << pid << " ended (" << how << "); started worker " << replacement
                 << " in its place" << std::endl;
       pid = replacement;
     }

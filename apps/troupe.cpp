@@ -387,7 +387,7 @@ int main(int argc, char** argv) {
   double worker_timeout_s = 60;
   auto* worker_cmd = app.add_subcommand("worker", "Join a running troupe run as one of its actors (a generator), from any machine");
   worker_cmd->add_option("--connect", worker_connect, "HOST:PORT the run's controller listens on")->required();
-  worker_cmd->add_option("--role", worker_role, "What to run: generator")->capture_default_str();
+  worker_cmd->add_option("--role", worker_role, "What to run: generator, reward or reference")->capture_default_str();
   worker_cmd->add_option("--timeout", worker_timeout_s, "Seconds to keep trying to reach the controller")
       ->capture_default_str()->check(CLI::PositiveNumber);
 
