@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -28,24 +29,46 @@ enum class LossAggregation { grpo, dr_grpo, dapo };
 enum class LossKind { grpo, dpo, ppo };
 enum class ShardingMode { none, zero1, zero2, zero3 };
 
-// Names as written in YAML, in enum order.
-inline constexpr std::array<std::string_view, 7> kRecipeNames = {"grpo", "sft", "lora", "dpo", "ppo", "online_dpo", "reinforce"};
-inline constexpr std::array<std::string_view, 4> kModelDtypeNames = {"auto", "float32", "bfloat16", "float64"};
-inline constexpr std::array<std::string_view, 2> kEngineNames = {"builtin", "remote"};
-inline constexpr std::array<std::string_view, 3> kRewardScalingNames = {"group", "batch", "none"};
-inline constexpr std::array<std::string_view, 3> kLossAggregationNames = {"grpo", "dr_grpo", "dapo"};
-inline constexpr std::array<std::string_view, 3> kLossKindNames = {"grpo", "dpo", "ppo"};
-inline constexpr std::array<std::string_view, 4> kShardingNames = {"none", "zero1", "zero2", "zero3"};
+// Each enum's names as written in YAML, found by names_of(value): the config reads, checks and
+// writes them from these tables alone.
+template <class E>
+struct Named {
+  std::string_view name;
+  E value;
+};
+inline constexpr Named<Recipe> kRecipes[] = {{"grpo", Recipe::grpo}, {"sft", Recipe::sft}, {"lora", Recipe::lora},
+                                             {"dpo", Recipe::dpo}, {"ppo", Recipe::ppo}, {"online_dpo", Recipe::online_dpo},
+                                             {"reinforce", Recipe::reinforce}};
+inline constexpr Named<ModelDtype> kModelDtypes[] = {{"auto", ModelDtype::automatic}, {"float32", ModelDtype::float32},
+                                                     {"bfloat16", ModelDtype::bfloat16}, {"float64", ModelDtype::float64}};
+inline constexpr Named<EngineKind> kEngineKinds[] = {{"builtin", EngineKind::builtin}, {"remote", EngineKind::remote}};
+inline constexpr Named<RewardScaling> kRewardScalings[] = {
+    {"group", RewardScaling::group}, {"batch", RewardScaling::batch}, {"none", RewardScaling::none}};
+inline constexpr Named<LossAggregation> kLossAggregations[] = {
+    {"grpo", LossAggregation::grpo}, {"dr_grpo", LossAggregation::dr_grpo}, {"dapo", LossAggregation::dapo}};
+inline constexpr Named<LossKind> kLossKinds[] = {{"grpo", LossKind::grpo}, {"dpo", LossKind::dpo}, {"ppo", LossKind::ppo}};
+inline constexpr Named<ShardingMode> kShardingModes[] = {{"none", ShardingMode::none}, {"zero1", ShardingMode::zero1},
+                                                         {"zero2", ShardingMode::zero2}, {"zero3", ShardingMode::zero3}};
+constexpr std::span<const Named<Recipe>> names_of(Recipe) { return kRecipes; }
+constexpr std::span<const Named<ModelDtype>> names_of(ModelDtype) { return kModelDtypes; }
+constexpr std::span<const Named<EngineKind>> names_of(EngineKind) { return kEngineKinds; }
+constexpr std::span<const Named<RewardScaling>> names_of(RewardScaling) { return kRewardScalings; }
+constexpr std::span<const Named<LossAggregation>> names_of(LossAggregation) { return kLossAggregations; }
+constexpr std::span<const Named<LossKind>> names_of(LossKind) { return kLossKinds; }
+constexpr std::span<const Named<ShardingMode>> names_of(ShardingMode) { return kShardingModes; }
+
+template <class E>
+concept ConfigEnum = requires(E e) { names_of(e); };
+
+template <ConfigEnum E>
+constexpr std::string_view to_string(E v) {
+  for (const auto& n : names_of(v))
+    if (n.value == v) return n.name;
+  return "?";
+}
+
 // The reward kinds the config accepts; a test checks they cover reward/'s built-ins.
 inline constexpr std::array<std::string_view, 4> kRewardKindNames = {"math_answer", "format", "plugin", "http"};
-
-inline std::string_view to_string(Recipe v) { return kRecipeNames[static_cast<size_t>(v)]; }
-inline std::string_view to_string(ModelDtype v) { return kModelDtypeNames[static_cast<size_t>(v)]; }
-inline std::string_view to_string(EngineKind v) { return kEngineNames[static_cast<size_t>(v)]; }
-inline std::string_view to_string(RewardScaling v) { return kRewardScalingNames[static_cast<size_t>(v)]; }
-inline std::string_view to_string(LossAggregation v) { return kLossAggregationNames[static_cast<size_t>(v)]; }
-inline std::string_view to_string(LossKind v) { return kLossKindNames[static_cast<size_t>(v)]; }
-inline std::string_view to_string(ShardingMode v) { return kShardingNames[static_cast<size_t>(v)]; }
 
 struct ModelSection {
   std::string path;                 // required: a Hugging Face folder or a .gguf file

@@ -164,7 +164,7 @@ constexpr std::array<RecipeLine, 7> kRecipeLines = {{
     {Recipe::dpo, "direct preference optimization on (prompt, chosen, rejected) pairs against the frozen starting "
                   "model (trainer alone)"},
 }};
-static_assert(kRecipeLines.size() == kRecipeNames.size(), "troupe ls: describe every recipe");
+static_assert(kRecipeLines.size() == std::size(kRecipes), "troupe ls: describe every recipe");
 
 // The first line of a config's opening comment, without its '#': what the file is for. A
 // sentence that goes on to the next comment line ends in " ...".
