@@ -226,6 +226,9 @@ struct ClusterSection {
   int64_t reference_processes = 0;  // the same for the reference (when there is one)
   std::string lost_groups = "retry";  // groups a dead reward/reference worker held: retry elsewhere, or fail
   double answer_timeout_s = 600;    // a reward/reference worker that does not answer a group by then lost it
+  std::string listen;               // HOST:PORT for workers from other hosts (`troupe worker --connect`);
+                                    // empty: 127.0.0.1, any free port, only with worker processes
+  std::string weight_transport = "auto";  // auto: the file on the trainer's host, HTTP from others; http: always HTTP
   bool operator==(const ClusterSection&) const = default;
 };
 

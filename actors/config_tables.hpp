@@ -20,6 +20,13 @@ inline bool is_device(const std::string& d) {
   const bool cuda_n = d.starts_with("cuda:") && d.size() > 5 && d.find_first_not_of("0123456789", 5) == std::string::npos;
   return d == "cpu" || d == "cuda" || cuda_n;
 }
+inline bool is_listen_address(const std::string& a) {
+  if (a.empty()) return true;
+  const auto colon = a.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == a.size() || a.size() - colon > 6) return false;
+  if (a.find_first_not_of("0123456789", colon + 1) != std::string::npos) return false;
+  return std::stoi(a.substr(colon + 1)) <= 65535;
+}
 inline bool one_of(const std::string& v, std::initializer_list<std::string_view> names) {
   return std::find(names.begin(), names.end(), v) != names.end();
 }
@@ -166,6 +173,10 @@ void fields(auto& v, Of<ClusterSection> auto& c) {
     TextRule{[](const std::string& s) { return one_of(s, {"retry", "fail"}); },
              "expected retry (score them on another worker) or fail", true});
   v("answer_timeout_s", c.answer_timeout_s, above(0));
+  v("listen", c.listen, OmitIfEmpty{}, TextRule{is_listen_address, "expected HOST:PORT (port 0: any free one)", true});
+  v("weight_transport", c.weight_transport,
+    TextRule{[](const std::string& s) { return one_of(s, {"auto", "http"}); },
+             "expected auto (shared memory on the trainer's host, HTTP from others) or http", true});
 }
 
 void fields(auto& v, Of<ParallelSection> auto& c) {

@@ -208,8 +208,10 @@ rollout_sink spawn_reference_stage(Self self, rollout_sink next) {
   auto weights = merged_state_dict(*spec.make_policy());
   int64_t bytes = 0;
   for (const auto& [name, t] : weights) bytes += t.numel() * t.element_size();
-  st.reference_weights = std::make_unique<WeightStore>(spec.run_dir.empty() ? std::filesystem::path() : spec.run_dir / "weights", bytes);
-  ReferenceStageSpec r{spec.model_source.string(), st.reference_weights->write(weights, 0).path, spec.generator_dtype,
+  st.reference_weights = std::make_unique<WeightStore>(spec.run_dir.empty() ? std::filesystem::path() : spec.run_dir / "weights",
+                                                       bytes, spec.listen_address().first);
+  const auto written = st.reference_weights->write(weights, 0);
+  ReferenceStageSpec r{spec.model_source.string(), written.path, written.url, written.host, spec.generator_dtype,
                        spec.generator_device, spec.trainer_threads, spec.trainer.logprob_chunk};
   return add_stage(self, "reference", to_json(r), std::move(next));
 }

@@ -17,48 +17,22 @@ namespace troupe {
 
 using namespace caf;
 
-nlohmann::json to_json(const GeneratorSpec& s) {
-  const auto& p = s.sampling;
-  return {{"model", s.model}, {"tokenizer", s.tokenizer}, {"dtype", s.dtype}, {"device", s.device},
-          {"engine", {{"max_batch", s.engine.max_batch}, {"max_seq_len", s.engine.max_seq_len},
-                      {"restart_on_weight_update", s.engine.restart_on_weight_update}, {"seed", s.engine.seed}}},
-          {"sampling", {{"n", p.n}, {"temperature", p.temperature}, {"top_p", p.top_p}, {"top_k", p.top_k},
-                        {"min_p", p.min_p}, {"max_tokens", p.max_tokens}, {"stop_token_ids", p.stop_token_ids},
-                        {"stop", p.stop}, {"include_stop_str_in_output", p.include_stop_str_in_output},
-                        {"ignore_eos", p.ignore_eos}}},
-          {"seed", s.seed}, {"deterministic", s.deterministic}, {"threads", s.threads}};
-}
+// What crosses to a worker process: the sampling and engine settings a generator uses (a
+// prompt's own seed is set per ticket), and the rest of the spec.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineOptions, max_batch, max_seq_len, restart_on_weight_update, seed)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SamplingParams, n, temperature, top_p, top_k, min_p, max_tokens, stop_token_ids, stop,
+                                   include_stop_str_in_output, ignore_eos)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(GeneratorSpec, model, tokenizer, dtype, device, engine, sampling, seed, deterministic,
+                                   threads, weights_over_http)
+
+nlohmann::json to_json(const GeneratorSpec& spec) { return spec; }
 
 GeneratorSpec generator_spec_from_json(const nlohmann::json& j) {
-  GeneratorSpec s;
   try {
-    j.at("model").get_to(s.model);
-    j.at("tokenizer").get_to(s.tokenizer);
-    j.at("dtype").get_to(s.dtype);
-    j.at("device").get_to(s.device);
-    const auto& e = j.at("engine");
-    e.at("max_batch").get_to(s.engine.max_batch);
-    e.at("max_seq_len").get_to(s.engine.max_seq_len);
-    e.at("restart_on_weight_update").get_to(s.engine.restart_on_weight_update);
-    e.at("seed").get_to(s.engine.seed);
-    const auto& p = j.at("sampling");
-    p.at("n").get_to(s.sampling.n);
-    p.at("temperature").get_to(s.sampling.temperature);
-    p.at("top_p").get_to(s.sampling.top_p);
-    p.at("top_k").get_to(s.sampling.top_k);
-    p.at("min_p").get_to(s.sampling.min_p);
-    p.at("max_tokens").get_to(s.sampling.max_tokens);
-    p.at("stop_token_ids").get_to(s.sampling.stop_token_ids);
-    p.at("stop").get_to(s.sampling.stop);
-    p.at("include_stop_str_in_output").get_to(s.sampling.include_stop_str_in_output);
-    p.at("ignore_eos").get_to(s.sampling.ignore_eos);
-    j.at("seed").get_to(s.seed);
-    j.at("deterministic").get_to(s.deterministic);
-    j.at("threads").get_to(s.threads);
+    return j.get<GeneratorSpec>();
   } catch (const nlohmann::json::exception& e) {
     throw Error(std::string("generator spec: ") + e.what());
   }
-  return s;
 }
 
 namespace {
@@ -97,6 +71,7 @@ struct GeneratorState {
   // Deterministic mode: what arrived while the engine was busy, applied in arrival order once
   // it is idle, so each batch meets exactly the weights sent before it.
   std::deque<std::variant<PromptBatch, WeightsReady>> deferred;
+  bool said_http = false;  // the first version fetched over HTTP is logged
 };
 
 using Self = generator_actor::stateful_pointer<GeneratorState>;
@@ -130,7 +105,12 @@ void admit(Self self, PromptBatch& batch) {
 
 void load(Self self, const WeightsReady& notice) {
   auto start = std::chrono::steady_clock::now();
-  self->state.engine->update_weights(read_weights(notice), notice.version);
+  auto& st = self->state;
+  const bool fetched = st.spec.weights_over_http || notice.host != this_host();
+  if (fetched && !st.said_http)
+    std::cout << "troupe: generator " << st.index << " takes weights over HTTP from " << notice.url << std::endl;
+  st.said_http = st.said_http || fetched;
+  st.engine->update_weights(read_weights(notice, st.spec.weights_over_http), notice.version);
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   self->send(self->state.controller, WeightsLoaded{self->state.index, notice.version, s});
 }

@@ -26,6 +26,7 @@ struct GeneratorSpec {
   uint64_t seed = 0;        // each prompt's samples are seeded by (seed, ticket)
   bool deterministic = false;
   int64_t threads = 0;      // intra-op threads; 0: LibTorch's default
+  bool weights_over_http = false;  // fetch every version from the trainer's URL, even on its host
 };
 
 nlohmann::json to_json(const GeneratorSpec& spec);

@@ -59,10 +59,22 @@ GeneratorSpec generator_spec(const GraphSpec& spec) {
   g.seed = spec.seed;
   g.deterministic = spec.deterministic;
   g.threads = spec.generator_threads;
+  g.weights_over_http = spec.weight_transport == "http";
   // Worker processes split the cores with the trainer unless the config says otherwise.
   if (spec.generator_processes > 0 && g.threads <= 0)
     g.threads = std::max<int64_t>(1, std::thread::hardware_concurrency() / (spec.generator_processes + 1));
   return g;
+}
+
+std::pair<std::string, uint16_t> GraphSpec::listen_address() const {
+  if (listen.empty()) return {"127.0.0.1", 0};
+  const auto colon = listen.rfind(':');
+  int port = -1;
+  if (colon != std::string::npos && colon > 0 && colon + 1 < listen.size() &&
+      listen.find_first_not_of("0123456789", colon + 1) == std::string::npos && listen.size() - colon <= 6)
+    port = std::stoi(listen.substr(colon + 1));
+  if (port < 0 || port > 65535) throw Error("run_graph: listen " + listen + ": expected HOST:PORT (port 0: any free one)");
+  return {listen.substr(0, colon), static_cast<uint16_t>(port)};
 }
 
 namespace {
@@ -77,6 +89,9 @@ void check(const GraphSpec& spec) {
     throw Error("run_graph: generator_processes, reward_processes and reference_processes must be >= 0");
   if (spec.reward_processes > 0 && spec.reward_specs.empty())
     throw Error("run_graph: reward_processes needs reward_specs (what a reward worker builds)");
+  if (spec.weight_transport != "auto" && spec.weight_transport != "http")
+    throw Error("run_graph: weight_transport must be auto or http, got " + spec.weight_transport);
+  spec.listen_address();
   if (spec.reference_processes > 0 && !spec.reference)
     throw Error("run_graph: reference_processes without a reference (trainer.loss.beta > 0 or reference.enabled)");
   if (!spec.remote_url.empty() && spec.generators != 1)
@@ -113,23 +128,26 @@ GraphResult run_graph(const GraphSpec& spec) {
   {
     actor_system_config config;
     add_message_types(config);
-    if (spec.worker_processes() > 0) config.load<io::middleman>();
+    if (spec.listens()) config.load<io::middleman>();
     actor_system system{config};
     scoped_actor self{system};
     auto controller = spawn_controller(system, &spec, actor{self});
     std::optional<WorkerProcesses> workers;
-    if (spec.worker_processes() > 0) {
-      // Loopback only: workers on this host. Workers elsewhere use `troupe worker --connect`.
-      auto port = system.middleman().publish(controller, 0, "127.0.0.1");
+    if (spec.listens()) {
+      // Loopback unless cluster.listen says otherwise: workers elsewhere `troupe worker --connect`.
+      const auto [host, wanted] = spec.listen_address();
+      auto port = system.middleman().publish(controller, wanted, host.c_str(), /*reuse_addr=*/true);
       if (!port) {
         anon_send_exit(controller, exit_reason::user_shutdown);
-        throw Error("run_graph: cannot listen for workers on 127.0.0.1: " + system.render(port.error()));
+        throw Error("run_graph: cannot listen for workers on " + host + ":" + std::to_string(wanted) + ": " +
+                    system.render(port.error()));
       }
-      std::cout << "troupe run: workers join at 127.0.0.1:" << *port << std::endl;
+      std::cout << "troupe run: workers join at " << host << ":" << *port << std::endl;
       std::vector<std::string> roles(spec.generator_processes, "generator");
       roles.insert(roles.end(), spec.reward_processes, "reward");
       roles.insert(roles.end(), spec.reference_processes, "reference");
-      workers.emplace(spec.worker_program, "127.0.0.1", *port, roles, spec.worker_restarts);
+      const std::string local = host == "0.0.0.0" ? "127.0.0.1" : host;
+      if (!roles.empty()) workers.emplace(spec.worker_program, local, *port, roles, spec.worker_restarts);
     }
     // The summary, or the controller's end if it died without one (never a hang).
     self->monitor(controller);

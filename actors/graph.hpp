@@ -85,6 +85,14 @@ struct GraphSpec {
   bool retry_lost_groups = true;       // groups a dead reward/reference worker held: scored again, or failed
   double stage_answer_timeout_s = 600;  // a group not answered by then counts as lost with its worker
   int64_t worker_processes() const { return generator_processes + reward_processes + reference_processes; }
+  // HOST:PORT the controller listens on for workers, from this host or others (`troupe worker
+  // --connect`); empty: 127.0.0.1 on any free port, and only when there are worker processes.
+  std::string listen;
+  // How generators in workers take weights: auto (the file on the trainer's host, HTTP from
+  // elsewhere) or http (always over HTTP from the trainer).
+  std::string weight_transport = "auto";
+  bool listens() const { return worker_processes() > 0 || !listen.empty(); }
+  std::pair<std::string, uint16_t> listen_address() const;  // throws Error for a malformed `listen`
   // Intra-op CPU threads per actor (0: LibTorch's default, every core). Set per thread, so a
   // generator and the trainer can split the cores instead of contending for all of them.
   int64_t generator_threads = 0;

@@ -35,12 +35,15 @@ struct PromptBatch {
   std::vector<PromptItem> prompts;  // [N]
 };
 
-// "Weights of version v are ready": a safetensors file every generator on this host can map.
+// "Weights of version v are ready": a safetensors file every generator on the trainer's host
+// can map, and (when the run listens for workers) the URL the trainer serves it at.
 struct WeightsReady {
   int64_t version = 0;  // the trainer's version after the step that made them
   std::string path;     // the file, in shared memory when the host has room for it
   int64_t bytes = 0;    // the tensors' bytes (the file's data section)
   double write_s = 0;   // the trainer's time to write them
+  std::string url;      // http://host:port/vN.safetensors; empty: not served
+  std::string host;     // the trainer's machine (its boot id): elsewhere, the file is fetched by url
 };
 
 // A generator has loaded version `version` (the controller then frees older files).
@@ -107,7 +110,7 @@ typename Inspector::result_type inspect(Inspector& f, RolloutGroup& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WeightsReady& x) {
-  return f(caf::meta::type_name("WeightsReady"), x.version, x.path, x.bytes, x.write_s);
+  return f(caf::meta::type_name("WeightsReady"), x.version, x.path, x.bytes, x.write_s, x.url, x.host);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WeightsLoaded& x) {

@@ -28,7 +28,7 @@ stage_worker::behavior_type reference_worker(stage_worker::pointer self, Referen
   const torch::Device device(spec.device);
   auto m = load_model(spec.model, {.dtype = choose_dtype(spec.dtype, device, "reference dtype").dtype, .device = device,
                                    .tokenizer = false});
-  load_weights(*m.model, read_weights(WeightsReady{0, spec.weights, 0, 0}), spec.weights);
+  load_weights(*m.model, read_weights(WeightsReady{0, spec.weights, 0, 0, spec.url, spec.host}), spec.weights);
   m.model->eval();
   std::shared_ptr<TransformerImpl> impl = m.model.ptr();
   const int64_t chunk = spec.logprob_chunk;
@@ -40,24 +40,16 @@ stage_worker::behavior_type reference_worker(stage_worker::pointer self, Referen
 
 }  // namespace
 
-nlohmann::json to_json(const ReferenceStageSpec& s) {
-  return {{"model", s.model}, {"weights", s.weights}, {"dtype", s.dtype}, {"device", s.device},
-          {"threads", s.threads}, {"logprob_chunk", s.logprob_chunk}};
-}
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ReferenceStageSpec, model, weights, url, host, dtype, device, threads, logprob_chunk)
+
+nlohmann::json to_json(const ReferenceStageSpec& spec) { return spec; }
 
 ReferenceStageSpec reference_stage_spec_from_json(const nlohmann::json& j) {
-  ReferenceStageSpec s;
   try {
-    j.at("model").get_to(s.model);
-    j.at("weights").get_to(s.weights);
-    j.at("dtype").get_to(s.dtype);
-    j.at("device").get_to(s.device);
-    j.at("threads").get_to(s.threads);
-    j.at("logprob_chunk").get_to(s.logprob_chunk);
+    return j.get<ReferenceStageSpec>();
   } catch (const nlohmann::json::exception& e) {
     throw Error(std::string("reference stage spec: ") + e.what());
   }
-  return s;
 }
 
 stage_worker spawn_reference_worker(caf::actor_system& system, const ReferenceStageSpec& spec) {

@@ -51,37 +51,18 @@ stage_worker::behavior_type reward_worker(stage_worker::pointer self, std::share
 
 }  // namespace
 
-nlohmann::json to_json(const RewardStageSpec& spec) {
-  auto rewards = nlohmann::json::array();
-  for (const auto& r : spec.rewards)
-    rewards.push_back({{"name", r.name}, {"kind", r.kind}, {"weight", r.weight}, {"answer_key", r.answer_key},
-                       {"plugin", r.plugin}, {"url", r.url}, {"timeout_s", r.timeout_s}, {"retries", r.retries},
-                       {"backoff_s", r.backoff_s}, {"max_batch", r.max_batch}});
-  return {{"rewards", rewards}, {"tokenizer", spec.tokenizer}};
-}
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RewardSpec, name, kind, weight, answer_key, plugin, url, timeout_s, retries, backoff_s,
+                                   max_batch)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RewardStageSpec, rewards, tokenizer)
+
+nlohmann::json to_json(const RewardStageSpec& spec) { return spec; }
 
 RewardStageSpec reward_stage_spec_from_json(const nlohmann::json& j) {
-  RewardStageSpec s;
   try {
-    j.at("tokenizer").get_to(s.tokenizer);
-    for (const auto& r : j.at("rewards")) {
-      RewardSpec x;
-      r.at("name").get_to(x.name);
-      r.at("kind").get_to(x.kind);
-      r.at("weight").get_to(x.weight);
-      r.at("answer_key").get_to(x.answer_key);
-      r.at("plugin").get_to(x.plugin);
-      r.at("url").get_to(x.url);
-      r.at("timeout_s").get_to(x.timeout_s);
-      r.at("retries").get_to(x.retries);
-      r.at("backoff_s").get_to(x.backoff_s);
-      r.at("max_batch").get_to(x.max_batch);
-      s.rewards.push_back(std::move(x));
-    }
+    return j.get<RewardStageSpec>();
   } catch (const nlohmann::json::exception& e) {
     throw Error(std::string("reward stage spec: ") + e.what());
   }
-  return s;
 }
 
 stage_worker spawn_reward_worker(caf::actor_system& system, const RewardStageSpec& spec) {

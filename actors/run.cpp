@@ -119,6 +119,8 @@ void set_generation(GraphSpec& spec, const RunConfig& c) {
   spec.reward_specs = to_reward_specs(c);
   spec.retry_lost_groups = c.cluster.lost_groups == "retry";
   spec.stage_answer_timeout_s = c.cluster.answer_timeout_s;
+  spec.listen = c.cluster.listen;
+  spec.weight_transport = c.cluster.weight_transport;
   spec.generator_threads = c.generator.threads;
   spec.trainer_threads = c.trainer.threads;
   if (c.generator.engine == EngineKind::remote) {

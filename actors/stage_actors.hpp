@@ -40,6 +40,8 @@ struct RewardStageSpec {
 struct ReferenceStageSpec {
   std::string model;    // the architecture (HF folder or .gguf)
   std::string weights;  // the starting policy, as the run wrote it (safetensors on the weight plane)
+  std::string url;      // the same over HTTP, for a worker on another host; empty: not served
+  std::string host;     // the run's machine (WeightsReady::host)
   std::string dtype = "float32";
   std::string device = "cpu";
   int64_t threads = 0;

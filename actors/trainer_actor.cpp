@@ -214,7 +214,8 @@ trainer_actor::behavior_type trainer(Self self, const GraphSpec* spec, controlle
   if (spec->resume) restore(st, *spec->resume);
   int64_t bytes = 0;
   for (const auto& p : st.recipe->model()->parameters()) bytes += p.nbytes();
-  st.weights = std::make_unique<WeightStore>(spec->run_dir.empty() ? std::filesystem::path() : spec->run_dir / "weights", bytes);
+  st.weights = std::make_unique<WeightStore>(spec->run_dir.empty() ? std::filesystem::path() : spec->run_dir / "weights", bytes,
+                                             spec->listens() ? spec->listen_address().first : "");
   // Generators start from these weights: nothing is generated before they arrive.
   publish(self);
   return {[=](go_atom) {

@@ -1,7 +1,7 @@
 """Generators in worker processes against generators in the run's own process.
 
 python bench/cluster_processes.py --troupe build/troupe [--config configs/tiny_arithmetic_grpo.yaml]
-       [--steps 40] [--generators 2] [--threads 1] [--dtype float32] [--extra key=value ...]
+       [--steps 40] [--generators 2] [--threads 1] [--transport auto|http] [--extra key=value ...]
 
 Runs `troupe run` twice on the same config, seed and cores, one after the other in this process:
 with generator.count=N (N generators in-process) and with cluster.generator_processes=N (N
@@ -37,15 +37,21 @@ def run(troupe, config, steps, overrides, workdir, tag):
 
 
 def memcpy_seconds(nbytes):
-    """A plain copy of nbytes in this process (bytearray slice copy: one memcpy), best of 3."""
+    """Plain copies of nbytes in this process, best of 3 each: into a fresh buffer (its pages
+    are touched for the first time, as the trainer's file in shared memory is) and into one
+    already touched (one memcpy at memory speed)."""
     src = bytearray(os.urandom(nbytes))
-    best = float("inf")
+    fresh = touched = float("inf")
+    dst = bytearray(nbytes)
     for _ in range(3):
         t = time.perf_counter()
-        dst = bytes(src)
-        best = min(best, time.perf_counter() - t)
-        del dst
-    return best, len(src)
+        copy = bytes(src)
+        fresh = min(fresh, time.perf_counter() - t)
+        del copy
+        t = time.perf_counter()
+        dst[:] = src
+        touched = min(touched, time.perf_counter() - t)
+    return fresh, touched
 
 
 def main():
@@ -56,15 +62,19 @@ def main():
     p.add_argument("--generators", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--extra", nargs="*", default=[], help="more key=value overrides for both runs")
+    p.add_argument("--transport", default="auto", choices=["auto", "http"],
+                   help="how the workers take weights: auto (shared memory on this host) or http (from the trainer)")
     a = p.parse_args()
     common = [f"generator.threads={a.threads}", f"trainer.threads={a.threads}", "run.deterministic=true"] + a.extra
     with tempfile.TemporaryDirectory() as work:
         inproc = run(a.troupe, a.config, a.steps, common + [f"generator.count={a.generators}"], work, "in_process")
-        workers = run(a.troupe, a.config, a.steps, common + [f"cluster.generator_processes={a.generators}"], work, "workers")
+        workers = run(a.troupe, a.config, a.steps, common + [f"cluster.generator_processes={a.generators}",
+                                                         f"cluster.weight_transport={a.transport}"], work, "workers")
     same = all({k: v for k, v in x.items() if not k.startswith(("time/", "generators/")) and k != "tokens_per_s"} ==
                {k: v for k, v in y.items() if not k.startswith(("time/", "generators/")) and k != "tokens_per_s"}
                for x, y in zip(inproc["metrics"], workers["metrics"]))
-    print(f"config {a.config}, {a.steps} steps, {a.generators} generators, {a.threads} thread(s) each, deterministic")
+    print(f"config {a.config}, {a.steps} steps, {a.generators} generators, {a.threads} thread(s) each, deterministic, "
+          f"weights to workers: {a.transport}")
     print(f"  in-process generators : {inproc['time']:8.2f} s  (process {inproc['process']:.2f} s)")
     print(f"  worker processes      : {workers['time']:8.2f} s  (process {workers['process']:.2f} s)")
     print(f"  ratio workers / in-process: {workers['time'] / inproc['time']:.3f}  (goal <= 1.1)")
@@ -74,11 +84,12 @@ def main():
         write = sum(m["time/weights_write_s"] for m in workers["syncs"]) / len(workers["syncs"])
         loads = [m["time/weights_load_s"] for m in workers["metrics"] if m["time/weights_load_s"] > 0]
         load = sum(loads) / max(1, len(loads))
-        copy_s, copied = memcpy_seconds(nbytes)
+        fresh, touched = memcpy_seconds(nbytes)
         print(f"  weight sync: {nbytes / 1e6:.2f} MB per version; trainer write {write * 1e3:.2f} ms "
               f"({nbytes / max(write, 1e-12) / 1e9:.2f} GB/s), slowest generator load {load * 1e3:.2f} ms "
               f"({nbytes / max(load, 1e-12) / 1e9:.2f} GB/s)")
-        print(f"  memcpy of {copied / 1e6:.2f} MB here: {copy_s * 1e3:.2f} ms ({copied / copy_s / 1e9:.2f} GB/s)")
+        print(f"  memcpy of the same {nbytes / 1e6:.2f} MB here: {fresh * 1e3:.2f} ms into fresh pages "
+              f"({nbytes / fresh / 1e9:.2f} GB/s), {touched * 1e3:.2f} ms into touched ones ({nbytes / touched / 1e9:.2f} GB/s)")
 
 
 if __name__ == "__main__":

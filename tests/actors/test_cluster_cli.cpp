@@ -28,7 +28,8 @@ using namespace troupe::test;
 
 namespace {
 
-void check_placement(const std::string& config, int64_t steps) {
+// `workers_args`: more for the worker run (e.g. weights over HTTP instead of shared memory).
+void check_placement(const std::string& config, int64_t steps, const std::string& workers_args = "") {
   auto in_process = fixtures() / ("cluster_" + config + "_in_process");
   auto workers = fixtures() / ("cluster_" + config + "_workers");
   fs::remove_all(in_process);
@@ -37,19 +38,20 @@ void check_placement(const std::string& config, int64_t steps) {
                                                              shell_quote(in_process.string()))) + " 2>&1");
   INFO(r.out);
   REQUIRE(r.status == 0);
-  auto w = run_command(bounded(600, troupe_run(config, task_args(steps) + " cluster.generator_processes=2 run.dir=" +
+  auto w = run_command(bounded(600, troupe_run(config, task_args(steps) + workers_args + " cluster.generator_processes=2 run.dir=" +
                                                              shell_quote(workers.string()))) + " 2>&1");
   INFO(w.out);
   REQUIRE(w.status == 0);
   CHECK(w.out.find("generator 0 joined from another process") != std::string::npos);
   CHECK(w.out.find("generator 1 joined from another process") != std::string::npos);
+  if (!workers_args.empty()) CHECK(w.out.find("takes weights over HTTP from http://127.0.0.1:") != std::string::npos);
   check_same_run(in_process, workers, steps);
 }
 
 }  // namespace
 
-TEST_CASE("grpo: generators in two worker processes end bit-identical to two in-process generators") {
-  check_placement("tiny_arithmetic_grpo", 12);
+TEST_CASE("grpo: generators in two worker processes, weights over HTTP, end bit-identical to two in-process generators") {
+  check_placement("tiny_arithmetic_grpo", 12, " cluster.weight_transport=http");
 }
 
 TEST_CASE("ppo: the same across processes") { check_placement("tiny_arithmetic_ppo", 8); }
