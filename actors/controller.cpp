@@ -155,6 +155,7 @@ bool lose_generator(Self self, const down_msg& dm) {
     if (!s.remote) return false;  // an in-process generator failing is a bug: the run stops
     const auto held = s.held.size();
     std::vector<PromptItem> given_up;
+    anon_send(st.waiter, WorkerLost{s.pid});  // a hung one is killed, and so replaced
     st.pool.lose(dm.source, resend, given_up);
     st.last_loss = "generator " + std::to_string(i) + " went away (" + (dm.reason ? reason_text(dm.reason) : "normal exit") + ")";
     std::cerr << "troupe run: " << st.last_loss << "; its " << held - given_up.size() << " unfinished prompts go to "
@@ -193,7 +194,7 @@ rollout_sink add_stage(Self self, const std::string& name, nlohmann::json built,
   auto& st = self->state;
   const GraphSpec& spec = *st.spec;
   auto router = spawn_stage_router(self->system(), {name, std::move(next), spec.retry_lost_groups, spec.worker_join_timeout_s,
-                                                    spec.stage_answer_timeout_s});
+                                                    spec.stage_answer_timeout_s, st.waiter});
   st.stages[name] = {router, built.dump()};
   return actor_cast<rollout_sink>(router);
 }
@@ -275,13 +276,14 @@ void tick(Self self) {
 }
 
 // A generator worker joins with the generator it built, in the slot it was given.
-void join_generator(Self self, int64_t index, generator_actor g) {
+void join_generator(Self self, int64_t index, generator_actor g, int64_t pid) {
   auto& st = self->state;
   if (!st.pool.has(index) || st.pool.at(index).live) {
     self->send_exit(g, make_error(sec::runtime_error, "generator slot " + std::to_string(index) + " is not free"));
     return;
   }
   add_generator(self, index, g, true);
+  st.pool.at(index).pid = pid;
   std::cout << "troupe run: generator " << index << " joined from another process (" << st.pool.live() << " live";
   if (!st.notices.empty()) std::cout << ", sent weights v" << st.notices.rbegin()->first;
   std::cout << ")" << std::endl;
@@ -361,7 +363,7 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
           return make_error(sec::runtime_error, "this run places no " + role + " in worker processes");
         return {it->second.second, it->second.first};
       },
-      [=](join_atom, int64_t index, generator_actor g) { join_generator(self, index, g); },
+      [=](join_atom, int64_t index, generator_actor g, int64_t pid) { join_generator(self, index, g, pid); },
   };
 }
 

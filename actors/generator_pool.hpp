@@ -20,6 +20,7 @@ class GeneratorPool {
     bool live = false;
     bool reserved = false;  // promised to a worker that is still building its generator
     bool remote = false;  // in a worker process: its loss is survivable
+    int64_t pid = 0;      // that process
     int64_t loaded = -1;  // the newest weight version it has loaded
     int64_t handed = 0;   // prompts handed to it since the last report
     std::map<int64_t, PromptItem> held;  // ticket -> prompt, until trained or failed

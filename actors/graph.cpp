@@ -26,6 +26,7 @@ void add_message_types(actor_system_config& config) {
   config.add_message_type<WeightsLoaded>("troupe::WeightsLoaded");
   config.add_message_type<StepReport>("troupe::StepReport");
   config.add_message_type<RunSummary>("troupe::RunSummary");
+  config.add_message_type<WorkerLost>("troupe::WorkerLost");
   config.add_message_type<std::vector<PromptItem>>("std::vector<troupe::PromptItem>");
   config.add_message_type<generator_actor>("troupe::generator_actor");
   config.add_message_type<rollout_sink>("troupe::rollout_sink");
@@ -154,6 +155,9 @@ GraphResult run_graph(const GraphSpec& spec) {
     bool waiting = true;
     while (waiting)
       self->receive([&](RunSummary& s) { summary = std::move(s), waiting = false; },
+                    [&](const WorkerLost& lost) {
+                      if (workers) workers->kill(static_cast<pid_t>(lost.pid));
+                    },
                     [&](down_msg& dm) {
                       if (dm.source != controller.address()) return;
                       summary.error = "the controller stopped: " + (dm.reason ? reason_text(dm.reason) : "without a summary");

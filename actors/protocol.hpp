@@ -60,6 +60,12 @@ struct StepReport {
   std::vector<int64_t> trained, failed;  // tickets
 };
 
+// A worker process went away (dead, or silent past the heartbeat timeout): the run's process
+// kills it if it is one of its own, and its supervisor starts a replacement.
+struct WorkerLost {
+  int64_t pid = 0;
+};
+
 // What a run ends with, sent by the controller to whoever waits for the graph.
 struct RunSummary {
   std::string error;                 // the failing actor and why; empty when the run completed
@@ -78,15 +84,16 @@ using generator_actor = caf::typed_actor<caf::reacts_to<PromptBatch>, caf::react
 using stage_worker = caf::typed_actor<caf::replies_to<RolloutGroup>::with<RolloutGroup>>;
 // The run's end of a stage placed in worker processes (actors/stage_router.hpp): it takes groups
 // like any sink, hands each to a live worker and passes the answer on; workers join it.
-using stage_router =
-    caf::typed_actor<caf::reacts_to<RolloutGroup>, caf::reacts_to<join_atom, stage_worker>, caf::reacts_to<tick_atom>>;
+// Joins carry the worker's pid: one on this host that goes silent is killed, so it is replaced.
+using stage_router = caf::typed_actor<caf::reacts_to<RolloutGroup>, caf::reacts_to<join_atom, stage_worker, int64_t>,
+                                      caf::reacts_to<tick_atom>>;
 using controller_actor =
     caf::typed_actor<caf::reacts_to<WeightsReady>, caf::reacts_to<WeightsLoaded>, caf::reacts_to<StepReport>,
                      caf::reacts_to<tick_atom>,
                      // a worker process asks what to build: its index, the GeneratorSpec as JSON, the sink
                      caf::replies_to<join_atom>::with<int64_t, std::string, rollout_sink>,
                      // and then joins with the generator it built
-                     caf::reacts_to<join_atom, int64_t, generator_actor>,
+                     caf::reacts_to<join_atom, int64_t, generator_actor, int64_t>,
                      // a reward or reference worker asks what to build (its role): the spec as
                      // JSON and the router it joins
                      caf::replies_to<join_atom, std::string>::with<std::string, stage_router>>;
@@ -119,6 +126,10 @@ typename Inspector::result_type inspect(Inspector& f, WeightsLoaded& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, StepReport& x) {
   return f(caf::meta::type_name("StepReport"), x.step, x.json, x.trained, x.failed);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, WorkerLost& x) {
+  return f(caf::meta::type_name("WorkerLost"), x.pid);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RunSummary& x) {

@@ -19,6 +19,7 @@ using Clock = std::chrono::steady_clock;
 struct Worker {
   stage_worker handle;
   bool live = false;
+  int64_t pid = 0;   // its process
   int64_t held = 0;  // groups sent, not yet answered
 };
 
@@ -92,10 +93,10 @@ void dispatch(Self self, RolloutGroup g) {
   st.in_flight[ticket] = {std::move(g), best, attempt};
 }
 
-void join(Self self, stage_worker w) {
+void join(Self self, stage_worker w, int64_t pid) {
   auto& st = self->state;
   self->monitor(w);
-  st.workers.push_back({std::move(w), true, 0});
+  st.workers.push_back({std::move(w), true, pid, 0});
   std::cout << "troupe run: " << st.spec.name << " worker " << st.workers.size() - 1 << " joined from another process"
             << std::endl;
   auto waiting = std::move(st.waiting);
@@ -110,6 +111,7 @@ void lose(Self self, const down_msg& dm) {
     auto& w = st.workers[i];
     if (!w.live || w.handle.address() != dm.source) continue;
     w.live = false;
+    anon_send(st.spec.on_lost, WorkerLost{w.pid});  // a hung one is killed, and so replaced
     const std::string why = st.spec.name + " worker " + std::to_string(i) + " went away (" +
                             (dm.reason ? reason_text(dm.reason) : "normal exit") + ")";
     std::vector<RolloutGroup> held;
@@ -144,7 +146,7 @@ stage_router::behavior_type router(Self self, StageRouterSpec spec) {
           dispatch(self, std::move(g));
         }
       },
-      [=](join_atom, stage_worker& w) { join(self, std::move(w)); },
+      [=](join_atom, stage_worker& w, int64_t pid) { join(self, std::move(w), pid); },
       [=](tick_atom) {
         auto& st = self->state;
         bool any_live = false;

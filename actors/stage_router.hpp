@@ -20,6 +20,7 @@ struct StageRouterSpec {
   bool retry = true;            // cluster.lost_groups: retry, or fail
   double join_timeout_s = 120;  // with no live worker this long, the router stops
   double answer_timeout_s = 600;
+  caf::actor on_lost;  // told WorkerLost{pid} for each worker that goes away
 };
 
 stage_router spawn_stage_router(caf::actor_system& system, StageRouterSpec spec);

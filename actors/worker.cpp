@@ -5,6 +5,7 @@
 #include <cstring>
 #include <iostream>
 #include <thread>
+#include <algorithm>
 
 #include <spawn.h>
 #include <sys/wait.h>
@@ -84,7 +85,7 @@ int serve_generator(actor_system& system, controller_actor controller, double ti
   }
   auto spec = generator_spec_from_json(nlohmann::json::parse(spec_json));
   auto generator = spawn_generator(system, std::move(spec), sink, controller, index);
-  self->send(controller, join_atom::value, index, generator);
+  self->send(controller, join_atom::value, index, generator, static_cast<int64_t>(::getpid()));
   std::cout << "troupe worker: generator " << index << " joined (pid " << ::getpid() << ")" << std::endl;
   return wait_until_down(system, self, actor_cast<actor>(generator), controller, "generator " + std::to_string(index));
 }
@@ -104,7 +105,7 @@ int serve_stage(actor_system& system, controller_actor controller, const std::st
   auto j = nlohmann::json::parse(spec_json);
   auto stage = role == "reward" ? spawn_reward_worker(system, reward_stage_spec_from_json(j))
                                 : spawn_reference_worker(system, reference_stage_spec_from_json(j));
-  self->send(router, join_atom::value, stage);
+  self->send(router, join_atom::value, stage, static_cast<int64_t>(::getpid()));
   std::cout << "troupe worker: " << role << " joined (pid " << ::getpid() << ")" << std::endl;
   return wait_until_down(system, self, actor_cast<actor>(stage), controller, role);
 }
@@ -220,6 +221,11 @@ void WorkerProcesses::supervise() {
       pid = replacement;
     }
   }
+}
+
+void WorkerProcesses::kill(pid_t pid) {
+  std::lock_guard lock(mu_);
+  if (pid > 0 && std::find(pids_.begin(), pids_.end(), pid) != pids_.end()) ::kill(pid, SIGKILL);
 }
 
 WorkerProcesses::~WorkerProcesses() {

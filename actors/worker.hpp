@@ -33,6 +33,8 @@ class WorkerProcesses {
   WorkerProcesses(std::filesystem::path program, const std::string& host, uint16_t port, std::vector<std::string> roles,
                   int64_t restarts);
   ~WorkerProcesses();
+  // Kills `pid` if it is one of these workers (one that went silent); the supervisor replaces it.
+  void kill(pid_t pid);
   WorkerProcesses(const WorkerProcesses&) = delete;
   WorkerProcesses& operator=(const WorkerProcesses&) = delete;
 
