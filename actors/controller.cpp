@@ -44,6 +44,7 @@ struct ControllerState {
   std::vector<actor> all;           // every actor to stop at the end
   int64_t issued_batches = 0;
   bool started = false, shutting_down = false;
+  bool stopping = false;  // a stop was asked for: waiting for the trainer's checkpoint
   std::map<int64_t, WeightsReady> notices;  // versions on the weight plane, newest last
   double load_s = 0;                         // slowest generator load since the last report
   RunSummary summary;
@@ -256,9 +257,14 @@ void spawn_graph(Self self) {
 // Every 200 ms: a stop request, and workers that do not come.
 void tick(Self self) {
   auto& st = self->state;
-  if (st.spec->stop_requested && st.spec->stop_requested->load()) {
-    finish(self, "stopped on request after step " + std::to_string(st.summary.steps));
-    return;
+  if (st.spec->stop_requested && st.spec->stop_requested->load() && !st.stopping) {
+    // With a run folder the trainer checkpoints after the step in progress first (stop_atom back).
+    if (st.spec->run_dir.empty()) {
+      finish(self, "stopped on request after step " + std::to_string(st.summary.steps));
+      return;
+    }
+    st.stopping = true;
+    self->send(st.trainer, stop_atom::value);
   }
   const auto now = ControllerState::Clock::now();
   const double limit = st.spec->worker_join_timeout_s;
@@ -350,6 +356,10 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
         }
       },
       [=](tick_atom) { tick(self); },
+      [=](stop_atom, int64_t step) {
+        finish(self, "stopped on request after step " + std::to_string(step) + " (checkpoint " +
+                         (self->state.spec->run_dir / "checkpoints" / ("step_" + std::to_string(step))).string() + ")");
+      },
       // A worker process asks to join, at the start or in the middle of the run (elastic).
       [=](join_atom) -> result<int64_t, std::string, rollout_sink> {
         auto& st = self->state;

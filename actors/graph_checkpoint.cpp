@@ -97,6 +97,7 @@ void PendingCheckpoints::finish_complete() {
     write_trainer_state(c.dir, {.recipe = spec_.recipe, .model = spec_.model_source.string(), .step = c.step,
                                 .policy_version = c.policy_version, .rollout_batches = std::pair{c.begin, c.end},
                                 .rollouts = "rollouts.msgpack"});
+    finished_.push_back(c.step);
     return true;
   });
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -35,6 +36,8 @@ class PendingCheckpoints {
              const std::map<int64_t, std::vector<RolloutGroup>>& buffer);
   // A group that arrived; finishes every checkpoint that now has all its groups.
   void add(const RolloutGroup& g);
+  // The steps whose checkpoints were completed since the last call.
+  std::vector<int64_t> take_finished() { return std::exchange(finished_, {}); }
 
  private:
   struct Pending {
@@ -46,6 +49,7 @@ class PendingCheckpoints {
   void finish_complete();
   const GraphSpec& spec_;
   std::vector<Pending> pending_;
+  std::vector<int64_t> finished_;
 };
 
 }  // namespace troupe

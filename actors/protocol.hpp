@@ -20,6 +20,7 @@ using next_atom = caf::atom_constant<caf::atom("next")>;
 using join_atom = caf::atom_constant<caf::atom("join")>;
 using done_atom = caf::atom_constant<caf::atom("done")>;
 using go_atom = caf::atom_constant<caf::atom("go")>;
+using stop_atom = caf::atom_constant<caf::atom("stop")>;
 
 // One prompt handed to a generator.
 struct PromptItem {
@@ -96,10 +97,13 @@ using controller_actor =
                      caf::reacts_to<join_atom, int64_t, generator_actor, int64_t>,
                      // a reward or reference worker asks what to build (its role): the spec as
                      // JSON and the router it joins
-                     caf::replies_to<join_atom, std::string>::with<std::string, stage_router>>;
+                     caf::replies_to<join_atom, std::string>::with<std::string, stage_router>,
+                     // the trainer's checkpoint after a stop request is complete (at that step)
+                     caf::reacts_to<stop_atom, int64_t>>;
 // go: the generators are there and the first prompts are out; a resumed trainer trains the
 // checkpoint's buffered batches only then, so its next version follows those prompts.
-using trainer_actor = caf::typed_actor<caf::reacts_to<RolloutGroup>, caf::reacts_to<go_atom>>;
+// stop: a stop was asked for (Ctrl-C): checkpoint after the step in progress and train no more.
+using trainer_actor = caf::typed_actor<caf::reacts_to<RolloutGroup>, caf::reacts_to<go_atom>, caf::reacts_to<stop_atom>>;
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PromptItem& x) {

@@ -44,6 +44,8 @@ struct TrainerActorState {
   std::set<int64_t> arrived;
   int64_t duplicates = 0;  // dropped since the last step
   bool started = false;    // the controller said go
+  bool stop_asked = false;  // checkpoint at the next step that can be resumed from, then train no more
+  int64_t stop_at = -1;     // that step, once trained
   Clock::time_point idle_since = Clock::now();
 };
 
@@ -118,6 +120,13 @@ void log_failures(TrainerActorState& st, const std::vector<RolloutGroup>& failed
                 << "\n" << std::flush;
 }
 
+// Once the stop checkpoint is complete (its outstanding groups all in), the controller ends the run.
+void tell_stopped(Self self) {
+  auto& st = self->state;
+  for (int64_t step : st.checkpoints->take_finished())
+    if (step == st.stop_at) self->send(st.controller, stop_atom::value, step);
+}
+
 // Trains batch st.next_batch (complete: every group handed out for it is back, trained or failed).
 void train_batch(Self self, std::vector<RolloutGroup> batch) {
   auto& st = self->state;
@@ -145,7 +154,11 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   // At every sync step, whatever changed since the last one (the update may have come at an
   // earlier step of the interval, this one training nothing).
   if (step % spec.sync_every == 0 && step < spec.steps && st.policy_version > st.published_version) sent = publish(self);
-  if (!spec.run_dir.empty() && (step == spec.steps || (spec.checkpoint_every > 0 && step % spec.checkpoint_every == 0)))
+  // A stop request checkpoints at a sync step (the generators hold those weights on resume).
+  const bool stop_here = st.stop_asked && st.stop_at < 0 && step % spec.sync_every == 0;
+  if (stop_here) st.stop_at = step;
+  if (!spec.run_dir.empty() &&
+      (step == spec.steps || stop_here || (spec.checkpoint_every > 0 && step % spec.checkpoint_every == 0)))
     st.checkpoints->start(*st.recipe, step, st.policy_version, st.buffer);
   st.idle_since = Clock::now();
   double step_s = std::chrono::duration<double>(st.idle_since - start).count();
@@ -166,12 +179,13 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   for (const auto& g : failed) report.failed.push_back(g.ticket);
   self->send(st.controller, std::move(report));
   ++st.next_batch;
+  tell_stopped(self);
 }
 
 void train_ready(Self self) {
   auto& st = self->state;
   for (auto it = st.buffer.find(st.next_batch);
-       it != st.buffer.end() && static_cast<int64_t>(it->second.size()) >= st.spec->batch_groups;
+       st.stop_at < 0 && it != st.buffer.end() && static_cast<int64_t>(it->second.size()) >= st.spec->batch_groups;
        it = st.buffer.find(st.next_batch)) {
     auto batch = std::move(it->second);
     st.buffer.erase(it);
@@ -218,7 +232,8 @@ trainer_actor::behavior_type trainer(Self self, const GraphSpec* spec, controlle
                                              spec->listens() ? spec->listen_address().first : "");
   // Generators start from these weights: nothing is generated before they arrive.
   publish(self);
-  return {[=](go_atom) {
+  return {[=](stop_atom) { self->state.stop_asked = true; },
+          [=](go_atom) {
     self->state.started = true;
     train_ready(self);
   },
@@ -228,6 +243,7 @@ trainer_actor::behavior_type trainer(Self self, const GraphSpec* spec, controlle
       return;
     }
     self->state.checkpoints->add(g);
+    tell_stopped(self);
     self->state.buffer[g.batch].push_back(std::move(g));
     if (self->state.started) train_ready(self);
   }};

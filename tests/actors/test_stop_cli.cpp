@@ -134,6 +134,33 @@ TEST_CASE("a second Ctrl-C stops a trainer-alone run at once; the first asks for
   CHECK(fs::exists(r.dir / "checkpoints" / ("step_" + std::to_string(steps)) / "trainer_state.json"));
 }
 
+TEST_CASE("one Ctrl-C stops an actor-graph run after the step in progress, with a checkpoint resume= continues") {
+  const std::string args = task_args("train.jsonl") + " trainer.steps=100000 run.checkpoint_every=0";
+  auto r = start("tiny_arithmetic_grpo", args, "stop_graph_sigint", 3);
+  kill(r.pid, SIGINT);
+  double seconds = 0;
+  int status = wait_exit(r, std::chrono::seconds(60), &seconds);
+  CHECK(status == 1);
+  auto log = read(r.log);
+  INFO(log);
+  CHECK(log.find("stopped on request after step") != std::string::npos);
+  // The trainer trained no step past the checkpoint's, and the checkpoint is complete.
+  const auto steps = static_cast<int64_t>(metrics(r.dir).size());
+  MESSAGE("one Ctrl-C: stopped after step " << steps << ", " << seconds << " s after the signal");
+  const auto checkpoint = r.dir / "checkpoints" / ("step_" + std::to_string(steps));
+  REQUIRE(fs::exists(checkpoint / "trainer_state.json"));
+  auto resumed = run_command("timeout 300 sh -c " + shell_quote(troupe_run("tiny_arithmetic_grpo",
+                                                                     task_args("train.jsonl") + " run.checkpoint_every=0" +
+                                                                         " trainer.steps=" + std::to_string(steps + 2) +
+                                                                         " run.dir=" + shell_quote(r.dir.string()) +
+                                                                         " resume=" + shell_quote(r.dir.string()))) +
+                             " 2>&1");
+  INFO(resumed.out);
+  CHECK(resumed.status == 0);
+  CHECK(resumed.out.find("resumed from " + checkpoint.string()) != std::string::npos);
+  CHECK(metrics(r.dir).size() == static_cast<size_t>(steps + 2));
+}
+
 TEST_CASE("model.dtype auto: float32 on a CPU without native bf16, bfloat16 on one with it") {
   auto run_dir = fixtures() / "dtype_auto";
   auto args = task_args("train.jsonl") + " data.eval=null trainer.steps=2 trainer.warmup_steps=0 run.dir=" + shell_quote(run_dir.string());
