@@ -7,8 +7,22 @@
 #include <string>
 
 #include <caf/all.hpp>
+#include <nlohmann/json.hpp>
+
+#include "policy/error.hpp"
 
 namespace troupe {
+
+// `j` as T, through T's NLOHMANN_DEFINE_TYPE_* functions (a spec a worker builds from); a
+// missing or mistyped field throws Error naming `what` and the field.
+template <class T>
+T spec_from_json(const nlohmann::json& j, const std::string& what) {
+  try {
+    return j.get<T>();
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(what + ": " + e.what());
+  }
+}
 
 // What an exception says: its what(), or "unknown exception".
 std::string describe(const std::exception_ptr& p);

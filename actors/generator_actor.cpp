@@ -27,13 +27,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(GeneratorSpec, model, tokenizer, dtype, devic
 
 nlohmann::json to_json(const GeneratorSpec& spec) { return spec; }
 
-GeneratorSpec generator_spec_from_json(const nlohmann::json& j) {
-  try {
-    return j.get<GeneratorSpec>();
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(std::string("generator spec: ") + e.what());
-  }
-}
+GeneratorSpec generator_spec_from_json(const nlohmann::json& j) { return spec_from_json<GeneratorSpec>(j, "generator spec"); }
 
 namespace {
 

@@ -45,11 +45,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ReferenceStageSpec, model, weights, url, host
 nlohmann::json to_json(const ReferenceStageSpec& spec) { return spec; }
 
 ReferenceStageSpec reference_stage_spec_from_json(const nlohmann::json& j) {
-  try {
-    return j.get<ReferenceStageSpec>();
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(std::string("reference stage spec: ") + e.what());
-  }
+  return spec_from_json<ReferenceStageSpec>(j, "reference stage spec");
 }
 
 stage_worker spawn_reference_worker(caf::actor_system& system, const ReferenceStageSpec& spec) {

@@ -58,11 +58,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RewardStageSpec, rewards, tokenizer)
 nlohmann::json to_json(const RewardStageSpec& spec) { return spec; }
 
 RewardStageSpec reward_stage_spec_from_json(const nlohmann::json& j) {
-  try {
-    return j.get<RewardStageSpec>();
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(std::string("reward stage spec: ") + e.what());
-  }
+  return spec_from_json<RewardStageSpec>(j, "reward stage spec");
 }
 
 stage_worker spawn_reward_worker(caf::actor_system& system, const RewardStageSpec& spec) {
