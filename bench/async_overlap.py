@@ -13,23 +13,15 @@ overlap can pay; the synchronous run is also measured with every core per phase 
 setting) so the comparison is honest.
 """
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
+
+from troupe_runs import run_troupe
 
 
 def run(troupe, config, steps, eta, overrides, workdir, tag):
-    run_dir = os.path.join(workdir, tag)
-    cmd = [troupe, "run", config, f"trainer.steps={steps}", f"async.max_staleness={eta}", f"run.dir={run_dir}"] + overrides
-    start = time.time()
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.time() - start
-    if out.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}")
-    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    metrics, wall = run_troupe(troupe, config, [f"trainer.steps={steps}", f"async.max_staleness={eta}"] + overrides,
+                               os.path.join(workdir, tag))
     train = sum(m["time/step_s"] for m in metrics)
     wait = sum(m["time/generate_wait_s"] for m in metrics)
     return {"tag": tag, "eta": eta, "steps": len(metrics), "time": train + wait, "train": train, "wait": wait,

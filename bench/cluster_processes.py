@@ -14,23 +14,15 @@ generator's load time, effective GB/s, beside a plain memcpy of the same bytes i
 Goal: the process boundary costs under 10% (ratio <= 1.1).
 """
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
+from troupe_runs import run_troupe
+
 
 def run(troupe, config, steps, overrides, workdir, tag):
-    run_dir = os.path.join(workdir, tag)
-    cmd = [troupe, "run", config, f"trainer.steps={steps}", f"run.dir={run_dir}"] + overrides
-    start = time.time()
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.time() - start
-    if out.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}")
-    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    metrics, wall = run_troupe(troupe, config, [f"trainer.steps={steps}"] + overrides, os.path.join(workdir, tag))
     busy = sum(m["time/step_s"] + m["time/generate_wait_s"] for m in metrics)
     syncs = [m for m in metrics if "weights/bytes" in m]
     return {"tag": tag, "time": busy, "process": wall, "metrics": metrics, "syncs": syncs}
