@@ -85,6 +85,15 @@ void apply_override(const std::string& file, YAML::Node& root, const std::string
 
 }  // namespace
 
+std::optional<std::pair<std::string, uint16_t>> split_host_port(const std::string& a) {
+  const auto colon = a.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == a.size() || a.size() - colon > 6) return std::nullopt;
+  if (a.find_first_not_of("0123456789", colon + 1) != std::string::npos) return std::nullopt;
+  const int port = std::stoi(a.substr(colon + 1));
+  if (port > 65535) return std::nullopt;
+  return std::pair{a.substr(0, colon), static_cast<uint16_t>(port)};
+}
+
 std::string ConfigOrigin::at(const std::string& key) const {
   for (std::string k = key;;) {
     if (auto it = locations.find(k); it != locations.end()) return it->second;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <utility>
 #include <span>
 #include <string>
 #include <string_view>
@@ -279,6 +280,9 @@ struct RunConfig {
   ConfigOrigin origin;
   bool operator==(const RunConfig&) const = default;
 };
+
+// "HOST:PORT" (cluster.listen) split; nullopt when it is not one (port 0: any free one).
+std::optional<std::pair<std::string, uint16_t>> split_host_port(const std::string& address);
 
 // Reads and checks `path`, after applying `overrides` ("key.path=value", the value parsed as
 // YAML: 1e-6, true, [0.2, 0.28], text). List items are addressed by index: rewards.0.weight=2.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <type_traits>
 
 namespace troupe::cfg {
 
@@ -113,30 +114,34 @@ void read(const Source& s, const std::string& path, const YAML::Node& n, const Y
   out = n.Scalar();
 }
 
-void read(const Source& s, const std::string& path, const YAML::Node& n, const YAML::Mark& at, int64_t& out) {
-  std::string t = plain_scalar(s, path, n, at, "an integer");
+namespace {
+
+// The plain scalar as a T by from_chars (a leading '+' allowed); `what` names T in errors.
+template <class T>
+void read_number(const Source& s, const std::string& path, const YAML::Node& n, const YAML::Mark& at, const char* what,
+                 T& out) {
+  std::string t = plain_scalar(s, path, n, at, what);
   const char* b = t.data() + (t.starts_with('+') ? 1 : 0);
   auto r = std::from_chars(b, t.data() + t.size(), out);
-  if (r.ec == std::errc::result_out_of_range) s.fail(path, at, "integer out of range, got " + t);
+  if constexpr (std::is_same_v<T, int64_t>)
+    if (r.ec == std::errc::result_out_of_range) s.fail(path, at, "integer out of range, got " + t);
   if (r.ec != std::errc() || r.ptr != t.data() + t.size() || b == t.data() + t.size())
-    s.fail(path, at, "expected an integer, got " + quote(t));
+    s.fail(path, at, std::string("expected ") + what + ", got " + quote(t));
+}
+
+}  // namespace
+
+void read(const Source& s, const std::string& path, const YAML::Node& n, const YAML::Mark& at, int64_t& out) {
+  read_number(s, path, n, at, "an integer", out);
 }
 
 void read(const Source& s, const std::string& path, const YAML::Node& n, const YAML::Mark& at, uint64_t& out) {
-  std::string t = plain_scalar(s, path, n, at, "a non-negative integer");
-  const char* b = t.data() + (t.starts_with('+') ? 1 : 0);
-  auto r = std::from_chars(b, t.data() + t.size(), out);
-  if (r.ec != std::errc() || r.ptr != t.data() + t.size() || b == t.data() + t.size())
-    s.fail(path, at, "expected a non-negative integer, got " + quote(t));
+  read_number(s, path, n, at, "a non-negative integer", out);
 }
 
 void read(const Source& s, const std::string& path, const YAML::Node& n, const YAML::Mark& at, double& out) {
-  std::string t = plain_scalar(s, path, n, at, "a number");
-  const char* b = t.data() + (t.starts_with('+') ? 1 : 0);
-  auto r = std::from_chars(b, t.data() + t.size(), out);
-  if (r.ec != std::errc() || r.ptr != t.data() + t.size() || b == t.data() + t.size())
-    s.fail(path, at, "expected a number, got " + quote(t));
-  if (!std::isfinite(out)) s.fail(path, at, "expected a finite number, got " + t);
+  read_number(s, path, n, at, "a number", out);
+  if (!std::isfinite(out)) s.fail(path, at, "expected a finite number, got " + n.Scalar());
 }
 
 void read(const Source& s, const std::string& path, const YAML::Node& n, const YAML::Mark& at, bool& out) {

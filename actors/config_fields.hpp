@@ -232,7 +232,7 @@ struct Reader {
       m.check(!m.has(key), key, why);
       return;
     }
-    const bool present = m.get(key, value);
+    [[maybe_unused]] const bool present = m.get(key, value);
     (apply(key, value, present, rules), ...);
   }
 

@@ -10,8 +10,6 @@ namespace troupe::cfg {
 
 namespace {
 
-void read_model(Map m, ModelSection& c) { read_table(m, c); }
-
 void read_dataset(Map m, DatasetSection& c) {
   read_table(m, c);
   m.check(!c.system || c.chat_template, "system", "a system message needs chat_template: true");
@@ -207,7 +205,7 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   RunConfig c;
   read_table(top, c, {"model", "lora", "data", "generator", "rewards", "reference", "trainer", "async", "parallel",
                       "cluster", "run"});
-  read_model(top.map("model"), c.model);
+  read_table(top.map("model"), c.model);
   if (top.given("lora") || c.recipe == Recipe::lora) read_lora(top.map("lora"), c.lora.emplace());
   const bool data_seeded = read_data(top.map("data"), c.data);
   read_generator(top.map("generator"), c.generator);

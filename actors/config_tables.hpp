@@ -20,13 +20,7 @@ inline bool is_device(const std::string& d) {
   const bool cuda_n = d.starts_with("cuda:") && d.size() > 5 && d.find_first_not_of("0123456789", 5) == std::string::npos;
   return d == "cpu" || d == "cuda" || cuda_n;
 }
-inline bool is_listen_address(const std::string& a) {
-  if (a.empty()) return true;
-  const auto colon = a.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == a.size() || a.size() - colon > 6) return false;
-  if (a.find_first_not_of("0123456789", colon + 1) != std::string::npos) return false;
-  return std::stoi(a.substr(colon + 1)) <= 65535;
-}
+inline bool is_listen_address(const std::string& a) { return a.empty() || split_host_port(a).has_value(); }
 inline bool one_of(const std::string& v, std::initializer_list<std::string_view> names) {
   return std::find(names.begin(), names.end(), v) != names.end();
 }

@@ -137,9 +137,10 @@ void free_unneeded(ControllerState& st) {
 }
 
 // A generator takes the newest weights before any prompt, then whatever waited for one.
-void add_generator(Self self, int64_t index, generator_actor g, bool remote) {
+// `pid`: its worker process, 0 for one in this process.
+void add_generator(Self self, int64_t index, generator_actor g, int64_t pid) {
   auto& st = self->state;
-  st.pool.join(index, g, remote);
+  st.pool.join(index, g, pid);
   self->monitor(g);
   if (!st.notices.empty()) self->send(g, st.notices.rbegin()->second);
   if (st.started) send_all(self, st.pool.take_held());
@@ -153,7 +154,7 @@ bool lose_generator(Self self, const down_msg& dm) {
   for (size_t i = 0; i < st.pool.slots().size(); ++i) {
     const auto& s = st.pool.slots()[i];
     if (!s.live || s.handle.address() != dm.source) continue;
-    if (!s.remote) return false;  // an in-process generator failing is a bug: the run stops
+    if (!s.remote()) return false;  // an in-process generator failing is a bug: the run stops
     const auto held = s.held.size();
     std::vector<PromptItem> given_up;
     anon_send(st.waiter, WorkerLost{s.pid});  // a hung one is killed, and so replaced
@@ -250,7 +251,7 @@ void spawn_graph(Self self) {
     } else {
       g = spawn_generator(system, generator_spec(spec), st.sink, self, i);
     }
-    add_generator(self, st.pool.reserve(), g, false);
+    add_generator(self, st.pool.reserve(), g, /*pid=*/0);
   }
 }
 
@@ -288,8 +289,7 @@ void join_generator(Self self, int64_t index, generator_actor g, int64_t pid) {
     self->send_exit(g, make_error(sec::runtime_error, "generator slot " + std::to_string(index) + " is not free"));
     return;
   }
-  add_generator(self, index, g, true);
-  st.pool.at(index).pid = pid;
+  add_generator(self, index, g, pid);
   std::cout << "troupe run: generator " << index << " joined from another process (" << st.pool.live() << " live";
   if (!st.notices.empty()) std::cout << ", sent weights v" << st.notices.rbegin()->first;
   std::cout << ")" << std::endl;

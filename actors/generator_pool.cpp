@@ -17,12 +17,12 @@ int64_t GeneratorPool::reserve() {
   return static_cast<int64_t>(slots_.size()) - 1;
 }
 
-void GeneratorPool::join(int64_t index, generator_actor handle, bool remote) {
+void GeneratorPool::join(int64_t index, generator_actor handle, int64_t pid) {
   auto& s = slots_.at(index);
   s.handle = std::move(handle);
   s.live = true;
   s.reserved = false;
-  s.remote = remote;
+  s.pid = pid;
   s.loaded = -1;
 }
 

@@ -19,8 +19,8 @@ class GeneratorPool {
     generator_actor handle;
     bool live = false;
     bool reserved = false;  // promised to a worker that is still building its generator
-    bool remote = false;  // in a worker process: its loss is survivable
-    int64_t pid = 0;      // that process
+    int64_t pid = 0;      // its worker process; 0: in the run's own process
+    bool remote() const { return pid != 0; }  // in a worker process: its loss is survivable
     int64_t loaded = -1;  // the newest weight version it has loaded
     int64_t handed = 0;   // prompts handed to it since the last report
     std::map<int64_t, PromptItem> held;  // ticket -> prompt, until trained or failed
@@ -29,7 +29,7 @@ class GeneratorPool {
 
   // A slot for a generator about to join (a dead slot is reused first); returns its index.
   int64_t reserve();
-  void join(int64_t index, generator_actor handle, bool remote);
+  void join(int64_t index, generator_actor handle, int64_t pid);
   // Each prompt goes to generator (ticket mod slots) when that one is live, else to the next
   // live one; with none live the prompts are held for the next to join.
   Sends assign(std::vector<PromptItem> prompts);

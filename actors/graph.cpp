@@ -8,6 +8,7 @@
 
 #include <caf/io/all.hpp>
 
+#include "actors/config.hpp"
 #include "actors/controller.hpp"
 #include "actors/graph_checkpoint.hpp"
 #include "actors/rl_recipe.hpp"
@@ -69,13 +70,9 @@ GeneratorSpec generator_spec(const GraphSpec& spec) {
 
 std::pair<std::string, uint16_t> GraphSpec::listen_address() const {
   if (listen.empty()) return {"127.0.0.1", 0};
-  const auto colon = listen.rfind(':');
-  int port = -1;
-  if (colon != std::string::npos && colon > 0 && colon + 1 < listen.size() &&
-      listen.find_first_not_of("0123456789", colon + 1) == std::string::npos && listen.size() - colon <= 6)
-    port = std::stoi(listen.substr(colon + 1));
-  if (port < 0 || port > 65535) throw Error("run_graph: listen " + listen + ": expected HOST:PORT (port 0: any free one)");
-  return {listen.substr(0, colon), static_cast<uint16_t>(port)};
+  auto address = split_host_port(listen);
+  if (!address) throw Error("run_graph: listen " + listen + ": expected HOST:PORT (port 0: any free one)");
+  return *address;
 }
 
 namespace {

@@ -1,5 +1,6 @@
 #include "actors/stage_router.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <iostream>
@@ -40,6 +41,10 @@ struct RouterState {
 };
 
 using Self = stage_router::stateful_pointer<RouterState>;
+
+bool any_live(const RouterState& st) {
+  return std::any_of(st.workers.begin(), st.workers.end(), [](const Worker& w) { return w.live; });
+}
 constexpr int kMaxHolders = 3;
 
 void dispatch(Self self, RolloutGroup g);
@@ -124,9 +129,7 @@ void lose(Self self, const down_msg& dm) {
       it = st.in_flight.erase(it);
     }
     w.held = 0;
-    bool any_live = false;
-    for (const auto& other : st.workers) any_live = any_live || other.live;
-    if (!any_live) st.none_live_since = Clock::now();
+    if (!any_live(st)) st.none_live_since = Clock::now();
     std::cerr << "troupe run: " << why << " holding " << held.size() << " groups; "
               << (st.spec.retry ? "they are scored again" : "they fail") << std::endl;
     for (auto& g : held) lost(self, std::move(g), why);
@@ -149,10 +152,8 @@ stage_router::behavior_type router(Self self, StageRouterSpec spec) {
       [=](join_atom, stage_worker& w, int64_t pid) { join(self, std::move(w), pid); },
       [=](tick_atom) {
         auto& st = self->state;
-        bool any_live = false;
-        for (const auto& w : st.workers) any_live = any_live || w.live;
         const double idle = std::chrono::duration<double>(Clock::now() - st.none_live_since).count();
-        if (!any_live && idle > st.spec.join_timeout_s) {
+        if (!any_live(st) && idle > st.spec.join_timeout_s) {
           const std::string what = "no " + st.spec.name + " worker process for cluster.join_timeout_s = " +
                                    std::to_string(st.spec.join_timeout_s) + " s; " + std::to_string(st.waiting.size()) +
                                    " groups waiting";
