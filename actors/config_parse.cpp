@@ -152,11 +152,14 @@ bool is_graph(Recipe r) { return r == Recipe::grpo || r == Recipe::ppo || r == R
 void check_placement(Map& top, RunConfig& c) {
   const bool graph = is_graph(c.recipe);
   const std::string recipe(to_string(c.recipe));
-  if (graph)
+  if (c.recipe == Recipe::ppo)
     top.map("parallel").check(c.parallel.trainer_ranks == 1 && c.parallel.sharding == ShardingMode::none, "trainer_ranks",
-                              "recipe " + recipe +
-                                  " trains in one process for now (the actor graph across processes comes first); "
-                                  "sft, lora and dpo take parallel.trainer_ranks and parallel.sharding");
+                              "recipe ppo trains on one rank for now (its value head is not sharded); "
+                              "grpo, reinforce, online_dpo, sft, lora and dpo take parallel.trainer_ranks and parallel.sharding");
+  else if (graph)
+    top.map("parallel").check(c.trainer.batch_groups >= c.parallel.trainer_ranks, "trainer_ranks",
+                              "must be <= trainer.batch_groups = " + fmt(c.trainer.batch_groups) +
+                                  " (every rank trains a part of each batch's groups)" + got(c.parallel.trainer_ranks));
   else
     top.map("parallel").check(c.trainer.batch_size >= c.parallel.trainer_ranks, "trainer_ranks",
                               "must be <= trainer.batch_size = " + fmt(c.trainer.batch_size) +

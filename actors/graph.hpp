@@ -26,6 +26,7 @@
 #include "policy/tokenizer.hpp"
 #include "policy/transformer.hpp"
 #include "reward/registry.hpp"
+#include "trainer/data_parallel.hpp"
 #include "trainer/ppo.hpp"
 #include "trainer/trainer.hpp"
 
@@ -62,6 +63,11 @@ struct GraphSpec {
   // LoRA: the trainer trains adapters only; generators receive the merged weights.
   std::optional<LoraConfig> lora;
   uint64_t seed = 0;  // the adapters' initialisation
+  // Trainer ranks (parallel.trainer_ranks, or an outside launcher): this process is rank 0,
+  // which runs the graph and trains its share of each batch; ranks 1..N-1 follow it
+  // (actors/trainer_ranks.hpp). nullptr: one trainer, unsharded.
+  std::shared_ptr<ProcessGroup> trainer_group;
+  Sharding sharding = Sharding::none;
   int64_t batch_groups = 8;  // rollout groups per optimizer step
   int64_t steps = 10;        // optimizer steps in the run
 

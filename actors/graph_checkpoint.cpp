@@ -7,10 +7,13 @@
 
 #include "actors/graph.hpp"
 #include "actors/rl_recipe.hpp"
+#include "actors/trainer_ranks.hpp"
 #include "actors/trainer_state.hpp"
 #include "policy/checkpoint.hpp"
 #include "policy/error.hpp"
 #include "policy/lora.hpp"
+#include "policy/safetensors.hpp"
+#include "trainer/data_parallel.hpp"
 
 namespace troupe {
 
@@ -48,27 +51,65 @@ RolloutGroup group_from_json(const nlohmann::json& j) {
   return g;
 }
 
+std::filesystem::path checkpoint_dir(const GraphSpec& spec, int64_t step) {
+  return spec.run_dir / "checkpoints" / ("step_" + std::to_string(step));
+}
+
+void save_rank_state(RlRecipe& recipe, const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  recipe.save_state(dir);
+  DataParallel* dp = recipe.data_parallel();
+  const int rank = dp ? dp->rank() : 0;
+  torch::save(at::detail::getDefaultCPUGenerator().get_state(),
+              (dir / (rank == 0 ? std::string("rng.pt") : "rng.rank" + std::to_string(rank) + ".pt")).string());
+  if (dp && dp->size() > 1) dp->barrier();
+}
+
+void restore_recipe(RlRecipe& recipe, const GraphSpec& spec, const GraphResume& r) {
+  {
+    WholeWeights whole(recipe.data_parallel());  // zero3: whole parameters to load into
+    if (spec.lora) {
+      load_peft_adapter(*recipe.model(), r.dir / "adapter");
+    } else {
+      load_weights(*recipe.model(), read_safetensors(safetensors::Checkpoint::open_dir(r.dir)), r.dir.string());
+    }
+    if (DataParallel* dp = recipe.data_parallel()) dp->reshard();
+  }
+  recipe.load_state(r.dir);
+  // This rank's random state where the checkpoint has one (the same world size), else rank 0's.
+  const DataParallel* dp = recipe.data_parallel();
+  auto rng_file = r.dir / ("rng.rank" + std::to_string(dp ? dp->rank() : 0) + ".pt");
+  if (!std::filesystem::exists(rng_file)) rng_file = r.dir / "rng.pt";
+  torch::Tensor rng;
+  torch::load(rng, rng_file.string());
+  auto generator = at::detail::getDefaultCPUGenerator();  // a handle: set_state needs a non-const one
+  generator.set_state(rng);
+}
+
 namespace {
 
-// The part of a checkpoint that can be written at once.
+// The part of a checkpoint that can be written at once; the other trainer ranks write their
+// parts meanwhile (trainer_ranks.cpp).
 void save_weights(const GraphSpec& spec, RlRecipe& recipe, const std::filesystem::path& dir) {
-  LoadedModel m{spec.model_config, recipe.model(), std::nullopt, nullptr, spec.model_source};
-  if (spec.lora) {
-    // The exported model has the adapters folded in; the PEFT adapter goes next to it.
-    m.model = Transformer(spec.model_config);
-    load_weights(*m.model, merged_state_dict(*recipe.model()), "merged LoRA weights");
-    save_peft_adapter(*recipe.model(), *spec.lora, dir / "adapter", spec.model_source.string());
+  {
+    WholeWeights whole(recipe.data_parallel());  // zero3: the export needs whole parameters
+    LoadedModel m{spec.model_config, recipe.model(), std::nullopt, nullptr, spec.model_source};
+    if (spec.lora) {
+      // The exported model has the adapters folded in; the PEFT adapter goes next to it.
+      m.model = Transformer(spec.model_config);
+      load_weights(*m.model, merged_state_dict(*recipe.model()), "merged LoRA weights");
+      save_peft_adapter(*recipe.model(), *spec.lora, dir / "adapter", spec.model_source.string());
+    }
+    save_hf_dir(m, dir);
   }
-  save_hf_dir(m, dir);
-  recipe.save_state(dir);
-  torch::save(at::detail::getDefaultCPUGenerator().get_state(), (dir / "rng.pt").string());
+  save_rank_state(recipe, dir);
 }
 
 }  // namespace
 
 void PendingCheckpoints::start(RlRecipe& recipe, int64_t step, int64_t policy_version,
                                const std::map<int64_t, std::vector<RolloutGroup>>& buffer) {
-  Pending c{spec_.run_dir / "checkpoints" / ("step_" + std::to_string(step)), step, policy_version, step,
+  Pending c{checkpoint_dir(spec_, step), step, policy_version, step,
             outstanding_end(spec_, step), {}};
   // Over an older checkpoint of the same step (a run resumed from before it): it stops counting
   // as complete before anything of it is replaced.

@@ -16,6 +16,7 @@
 
 namespace troupe {
 
+struct GraphResume;
 struct GraphSpec;
 class RlRecipe;
 
@@ -25,6 +26,19 @@ int64_t outstanding_end(const GraphSpec& spec, int64_t step);
 
 nlohmann::json to_json(const RolloutGroup& g);
 RolloutGroup group_from_json(const nlohmann::json& j);  // throws on a missing or inconsistent field
+
+// runs/NAME/checkpoints/step_N
+std::filesystem::path checkpoint_dir(const GraphSpec& spec, int64_t step);
+
+// Every trainer rank's own part of a checkpoint in `dir`: the recipe's state (with trainer ranks,
+// each rank its optimizer shard and rank 0 the layout) and LibTorch's random state (rng.pt, or
+// rng.rankR.pt on rank R > 0); then, with trainer ranks, a barrier, so a checkpoint is complete
+// only once every shard is on disk.
+void save_rank_state(RlRecipe& recipe, const std::filesystem::path& dir);
+
+// The checkpoint's weights (or LoRA adapter), the recipe's state and this rank's random state
+// into `recipe`, on every trainer rank (zero3 reshards the loaded parameters).
+void restore_recipe(RlRecipe& recipe, const GraphSpec& spec, const GraphResume& resume);
 
 // Checkpoints whose weights are written but whose outstanding rollouts are still arriving.
 class PendingCheckpoints {

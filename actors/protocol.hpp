@@ -103,7 +103,9 @@ using controller_actor =
 // go: the generators are there and the first prompts are out; a resumed trainer trains the
 // checkpoint's buffered batches only then, so its next version follows those prompts.
 // stop: a stop was asked for (Ctrl-C): checkpoint after the step in progress and train no more.
-using trainer_actor = caf::typed_actor<caf::reacts_to<RolloutGroup>, caf::reacts_to<go_atom>, caf::reacts_to<stop_atom>>;
+// tick: its own timer, to keep other trainer ranks waiting on it alive (actors/trainer_ranks.hpp).
+using trainer_actor = caf::typed_actor<caf::reacts_to<RolloutGroup>, caf::reacts_to<go_atom>, caf::reacts_to<stop_atom>,
+                                        caf::reacts_to<tick_atom>>;
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PromptItem& x) {

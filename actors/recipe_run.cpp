@@ -6,7 +6,6 @@
 #include <iostream>
 #include <numeric>
 #include <random>
-#include <unordered_set>
 
 #include <torch/torch.h>
 
@@ -71,6 +70,30 @@ std::optional<int32_t> model_eos(const ModelConfig& config, const Tokenizer& tok
   return eos;
 }
 
+std::shared_ptr<ProcessGroup> trainer_group(const RunConfig& c, int64_t batch, const std::string& batch_key) {
+  ParallelEnv env = parallel_env();
+  if (env.launcher == "none") env.master_port = 0;  // one rank, sharded: a store on any free port
+  if (env.distributed() && c.parallel.trainer_ranks > 1 && env.world_size != c.parallel.trainer_ranks)
+    throw Error(c.origin.at("parallel.trainer_ranks") + ": parallel.trainer_ranks is " + std::to_string(c.parallel.trainer_ranks) +
+                " but the launcher (" + env.launcher + ") started " + std::to_string(env.world_size) +
+                " ranks; leave it at 1 under an outside launcher");
+  if (!env.distributed() && c.parallel.trainer_ranks > 1)
+    throw Error("parallel.trainer_ranks = " + std::to_string(c.parallel.trainer_ranks) +
+                ": this process is not one of the ranks (run it with `troupe run`, which starts them)");
+  if (env.distributed() && env.world_size > batch)
+    throw Error(c.origin.at(batch_key) + ": " + batch_key + " " + std::to_string(batch) + " is smaller than the " +
+                std::to_string(env.world_size) + " trainer ranks: every rank needs a part of each batch");
+  // Under a launcher even one rank goes through the data-parallel path (bit for bit the plain
+  // trainer with sharding none); alone, only when a sharding mode asks for it.
+  if (env.launcher == "none" && c.parallel.sharding == ShardingMode::none) return nullptr;
+  auto group = ProcessGroup::connect(env, torch::Device(c.model.device),
+                                     std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000)));
+  if (group->rank() == 0)
+    std::cout << "troupe run: " << group->size() << " trainer ranks (" << env.launcher << ", " << group->backend()
+              << "), sharding " << to_string(c.parallel.sharding) << std::endl;
+  return group;
+}
+
 Policy load_policy(const RunConfig& c, TrainerConfig trainer) {
   // One seed for everything drawn from LibTorch's generator (LoRA dropout); deterministic
   // mode also refuses kernels without a deterministic implementation.
@@ -86,44 +109,15 @@ Policy load_policy(const RunConfig& c, TrainerConfig trainer) {
     p.trainer = std::make_unique<Trainer>(p.model.model, trainer);
   }
   if (c.trainer.threads > 0) at::set_num_threads(static_cast<int>(c.trainer.threads));
-  ParallelEnv env = parallel_env();
-  if (env.launcher == "none") env.master_port = 0;  // one rank, sharded: a store on any free port
-  if (env.distributed() && c.parallel.trainer_ranks > 1 && env.world_size != c.parallel.trainer_ranks)
-    throw Error(c.origin.at("parallel.trainer_ranks") + ": parallel.trainer_ranks is " + std::to_string(c.parallel.trainer_ranks) +
-                " but the launcher (" + env.launcher + ") started " + std::to_string(env.world_size) +
-                " ranks; leave it at 1 under an outside launcher");
-  if (!env.distributed() && c.parallel.trainer_ranks > 1)
-    throw Error("parallel.trainer_ranks = " + std::to_string(c.parallel.trainer_ranks) +
-                ": this process is not one of the ranks (run it with `troupe run`, which starts them)");
-  if (env.distributed() && env.world_size > c.trainer.batch_size)
-    throw Error(c.origin.at("trainer.batch_size") + ": trainer.batch_size " + std::to_string(c.trainer.batch_size) +
-                " is smaller than the " + std::to_string(env.world_size) + " trainer ranks: every rank needs a part of each batch");
-  // Under a launcher even one rank goes through the data-parallel path (bit for bit the plain
-  // trainer with sharding none); alone, only when a sharding mode asks for it.
-  if (env.launcher != "none" || c.parallel.sharding != ShardingMode::none) {
-    p.rank = env.rank;
-    p.ranks = env.world_size;
-    auto group = ProcessGroup::connect(env, torch::Device(c.model.device),
-                                       std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000)));
-    std::unordered_set<const void*> trained;
-    for (const auto& t : p.trainer->parameters()) trained.insert(t.unsafeGetTensorImpl());
-    std::vector<std::pair<std::string, torch::Tensor>> named;
-    for (const auto& item : p.model.model->named_parameters())
-      if (trained.count(item.value().unsafeGetTensorImpl())) named.emplace_back(item.key(), item.value());
-    p.trainer->set_data_parallel(std::make_shared<DataParallel>(group, sharding_of(to_string(c.parallel.sharding)),
-                                                                named, trainer.optimizer));
-    if (p.writer())
-      std::cout << "troupe run: " << p.ranks << " trainer ranks (" << env.launcher << ", " << group->backend() << "), sharding "
-                << to_string(c.parallel.sharding) << std::endl;
+  if (auto group = trainer_group(c, c.trainer.batch_size, "trainer.batch_size")) {
+    p.rank = group->rank();
+    p.ranks = group->size();
+    shard_trainer(*p.trainer, std::move(group), sharding_of(to_string(c.parallel.sharding)), trainer.optimizer);
   }
   return p;
 }
 
-std::pair<int64_t, int64_t> Policy::share(int64_t n) const {
-  const int64_t base = n / ranks, extra = n % ranks;
-  const int64_t begin = rank * base + std::min<int64_t>(rank, extra);
-  return {begin, begin + base + (rank < extra ? 1 : 0)};
-}
+std::pair<int64_t, int64_t> Policy::share(int64_t n) const { return rank_share(n, rank, ranks); }
 
 DataOrder::DataOrder(int64_t n, bool shuffle, uint64_t seed) : n_(n), shuffle_(shuffle), seed_(seed) {
   if (n_ < 1) throw Error("no examples to train on");

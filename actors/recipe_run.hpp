@@ -55,6 +55,11 @@ struct Policy {
   std::pair<int64_t, int64_t> share(int64_t n) const;
 };
 Policy load_policy(const RunConfig& c, TrainerConfig trainer);
+// The trainer ranks this process is one of (troupe's launcher, torchrun, Slurm, OpenMPI), or
+// one rank alone when parallel.sharding asks for the sharded path; nullptr for a plain single
+// trainer. Throws Error naming parallel.trainer_ranks when it disagrees with the launcher, or
+// `batch_key` when its `batch` is smaller than the ranks.
+std::shared_ptr<ProcessGroup> trainer_group(const RunConfig& c, int64_t batch, const std::string& batch_key);
 
 // A checkpoint to continue from (config.resume): its folder, step and data cursor.
 struct Resume {

@@ -38,6 +38,9 @@ class RlRecipe {
   // What a checkpoint needs besides the weights: optimizer state, PPO's value head.
   virtual void save_state(const std::filesystem::path& dir) = 0;
   virtual void load_state(const std::filesystem::path& dir) = 0;
+  // The policy's sharding over the trainer ranks (GraphSpec::trainer_group), if any: the
+  // trainer actor gathers zero3's parameters through it to publish and checkpoint them.
+  virtual DataParallel* data_parallel() { return nullptr; }
 };
 
 using RlRecipeFactory = std::unique_ptr<RlRecipe> (*)(Transformer policy, const GraphSpec& spec);
@@ -47,7 +50,9 @@ using RlRecipeFactory = std::unique_ptr<RlRecipe> (*)(Transformer policy, const 
 std::unique_ptr<RlRecipe> make_rl_recipe(const std::string& name, Transformer policy, const GraphSpec& spec);
 bool is_rl_recipe(const std::string& name);
 
-// The recipes' shared pieces: a Trainer over the policy, or over its LoRA adapters alone; and
+// The recipes' shared pieces: a Trainer over the policy, or over its LoRA adapters alone,
+// sharded over spec.trainer_group when there is one (every rank is given the whole batch and
+// trains its share of it: Trainer::grpo_step, and online DPO's pairs); and
 // the GRPO recipe with any trainer settings (REINFORCE is GRPO's loss with other settings).
 std::unique_ptr<Trainer> make_policy_trainer(Transformer policy, const GraphSpec& spec, TrainerConfig config);
 std::unique_ptr<RlRecipe> make_grpo_with(Transformer policy, const GraphSpec& spec, TrainerConfig config);

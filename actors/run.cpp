@@ -3,6 +3,7 @@
 #include "actors/run.hpp"
 
 #include "actors/recipe_run.hpp"
+#include "actors/trainer_ranks.hpp"
 
 #include <fstream>
 #include <iostream>
@@ -83,7 +84,7 @@ std::map<std::string, torch::Tensor> sft_warmup(const RunConfig& c, const Tokeni
     std::vector<SftExample> part;
     for (size_t i = 0; i < std::min(batch, examples.size()); ++i) part.push_back(examples[next++ % examples.size()]);
     double loss = trainer.sft_step(part);
-    std::cout << "sft warmup step " << step + 1 << "/" << w.steps << "  loss " << loss << std::endl;
+    if (parallel_env().rank == 0) std::cout << "sft warmup step " << step + 1 << "/" << w.steps << "  loss " << loss << std::endl;
   }
   std::map<std::string, torch::Tensor> out;
   for (const auto& [name, t] : state_dict(*m.model)) out[name] = t.detach().clone();
@@ -196,11 +197,20 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
   torch::manual_seed(c.run.seed);
   if (c.run.deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
 
+  // Trainer ranks: rank 0 runs the graph below, the others follow its trainer.
+  auto group = recipe::trainer_group(c, c.trainer.batch_groups, "trainer.batch_groups");
   auto tokenizer = Tokenizer::load(c.model.path);
   auto source = std::make_shared<PromptSource>(c.data.train.path, tokenizer,
                                                prompt_options(c.data.train, tokenizer, c.data, c.model.path));
   GraphSpec spec = graph_spec(c, tokenizer, source);
   spec.stop_requested = stop_requested;
+  spec.trainer_group = group;
+  spec.sharding = sharding_of(to_string(c.parallel.sharding));
+  if (group && group->rank() > 0) {
+    spec.resume = std::move(resume);
+    follow_trainer(spec);
+    return GraphResult{.ok = true};  // rank 0 reports the run
+  }
   std::filesystem::create_directories(spec.run_dir);
   std::ofstream(spec.run_dir / "config.yaml") << to_yaml(c);
   if (resume) {

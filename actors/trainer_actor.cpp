@@ -13,11 +13,10 @@
 #include "actors/actor_util.hpp"
 #include "actors/graph_checkpoint.hpp"
 #include "actors/rl_recipe.hpp"
+#include "actors/trainer_ranks.hpp"
 #include "actors/weight_plane.hpp"
-#include "policy/checkpoint.hpp"
 #include "policy/error.hpp"
 #include "policy/lora.hpp"
-#include "policy/safetensors.hpp"
 
 namespace troupe {
 
@@ -32,6 +31,7 @@ struct TrainerActorState {
   std::unique_ptr<RlRecipe> recipe;
   std::unique_ptr<WeightStore> weights;
   std::unique_ptr<PendingCheckpoints> checkpoints;
+  std::unique_ptr<RankChannel> ranks;  // to trainer ranks 1..N-1, when there are any
   // Trained batches that changed the weights: max_staleness counts in this unit, whatever
   // optimizer steps each batch takes.
   int64_t policy_version = 0;
@@ -95,7 +95,18 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
 // which forwards it to every generator ahead of the prompts it releases next.
 WeightsReady publish(Self self) {
   auto& st = self->state;
-  auto notice = st.weights->write(merged_state_dict(*st.recipe->model()), st.policy_version);
+  if (st.ranks) st.ranks->send({RankCommand::Op::publish});
+  WholeWeights whole(st.recipe->data_parallel());
+  auto weights = merged_state_dict(*st.recipe->model());
+  if (!st.weights) {
+    // Made with the first version: its size says whether shared memory has room for two.
+    int64_t bytes = 0;
+    for (const auto& [name, t] : weights) bytes += t.nbytes();
+    const GraphSpec& spec = *st.spec;
+    st.weights = std::make_unique<WeightStore>(spec.run_dir.empty() ? std::filesystem::path() : spec.run_dir / "weights",
+                                               bytes, spec.listens() ? spec.listen_address().first : "");
+  }
+  auto notice = st.weights->write(weights, st.policy_version);
   st.published_version = st.policy_version;
   self->send(st.controller, notice);
   return notice;
@@ -145,7 +156,10 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   // without an update, so the version (and the weights generators hold) stay put.
   std::optional<RlUpdate> update;
   nlohmann::json extra = nlohmann::json::object();
-  if (!groups.empty()) update = st.recipe->train(groups, extra);
+  if (!groups.empty()) {
+    if (st.ranks) st.ranks->send({RankCommand::Op::train, groups});
+    update = st.recipe->train(groups, extra);
+  }
   if (update) {
     ++st.policy_version;
     extra.update(update->extra);
@@ -158,8 +172,10 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   const bool stop_here = st.stop_asked && st.stop_at < 0 && step % spec.sync_every == 0;
   if (stop_here) st.stop_at = step;
   if (!spec.run_dir.empty() &&
-      (step == spec.steps || stop_here || (spec.checkpoint_every > 0 && step % spec.checkpoint_every == 0)))
+      (step == spec.steps || stop_here || (spec.checkpoint_every > 0 && step % spec.checkpoint_every == 0))) {
+    if (st.ranks) st.ranks->send({RankCommand::Op::checkpoint, {}, checkpoint_dir(spec, step)});
     st.checkpoints->start(*st.recipe, step, st.policy_version, st.buffer);
+  }
   st.idle_since = Clock::now();
   double step_s = std::chrono::duration<double>(st.idle_since - start).count();
   auto j = step_metrics(update ? std::optional(update->metrics) : std::nullopt, groups, t, step_s, wait_s);
@@ -195,16 +211,7 @@ void train_ready(Self self) {
 
 // The checkpoint's weights (or adapter), recipe state, RNG, version and buffered groups.
 void restore(TrainerActorState& st, const GraphResume& r) {
-  if (st.spec->lora) {
-    load_peft_adapter(*st.recipe->model(), r.dir / "adapter");
-  } else {
-    load_weights(*st.recipe->model(), read_safetensors(safetensors::Checkpoint::open_dir(r.dir)), r.dir.string());
-  }
-  st.recipe->load_state(r.dir);
-  torch::Tensor rng;
-  torch::load(rng, (r.dir / "rng.pt").string());
-  auto generator = at::detail::getDefaultCPUGenerator();  // a handle: set_state needs a non-const one
-  generator.set_state(rng);
+  restore_recipe(*st.recipe, *st.spec, r);
   st.policy_version = r.policy_version;
   st.next_batch = r.step;
   for (const auto& g : r.groups) {
@@ -220,19 +227,24 @@ trainer_actor::behavior_type trainer(Self self, const GraphSpec* spec, controlle
   st.spec = spec;
   st.controller = std::move(controller);
   st.recipe = make_rl_recipe(spec->recipe, spec->make_policy(), *spec);
+  if (spec->trainer_group && spec->trainer_group->size() > 1) {
+    st.ranks = std::make_unique<RankChannel>(spec->trainer_group, st.recipe->model()->lm_head_weight().device());
+    self->delayed_send(self, st.ranks->keepalive_interval(), tick_atom::value);
+  }
   st.checkpoints = std::make_unique<PendingCheckpoints>(*spec);
   if (!spec->run_dir.empty()) {
     std::filesystem::create_directories(spec->run_dir);
     st.failures.open(spec->run_dir / "failures.jsonl", std::ios::app);
   }
   if (spec->resume) restore(st, *spec->resume);
-  int64_t bytes = 0;
-  for (const auto& p : st.recipe->model()->parameters()) bytes += p.nbytes();
-  st.weights = std::make_unique<WeightStore>(spec->run_dir.empty() ? std::filesystem::path() : spec->run_dir / "weights", bytes,
-                                             spec->listens() ? spec->listen_address().first : "");
   // Generators start from these weights: nothing is generated before they arrive.
   publish(self);
   return {[=](stop_atom) { self->state.stop_asked = true; },
+          [=](tick_atom) {
+            // While the batch fills: the other ranks wait for a command no longer than their timeout.
+            self->state.ranks->keep_alive();
+            self->delayed_send(self, self->state.ranks->keepalive_interval(), tick_atom::value);
+          },
           [=](go_atom) {
     self->state.started = true;
     train_ready(self);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 #include <tuple>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -67,6 +68,21 @@ Sharding sharding_of(std::string_view name) {
   for (size_t i = 0; i < std::size(kShardingNames); ++i)
     if (kShardingNames[i] == name) return static_cast<Sharding>(i);
   throw Error("sharding '" + std::string(name) + "': expected none, zero1, zero2 or zero3");
+}
+
+std::pair<int64_t, int64_t> rank_share(int64_t n, int rank, int ranks) {
+  const int64_t base = n / ranks, extra = n % ranks;
+  const int64_t begin = rank * base + std::min<int64_t>(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
+
+void shard_trainer(Trainer& trainer, std::shared_ptr<ProcessGroup> group, Sharding mode, const OptimizerConfig& optimizer) {
+  std::unordered_set<const void*> trained;
+  for (const auto& t : trainer.parameters()) trained.insert(t.unsafeGetTensorImpl());
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (const auto& item : trainer.model()->named_parameters())
+    if (trained.count(item.value().unsafeGetTensorImpl())) named.emplace_back(item.key(), item.value());
+  trainer.set_data_parallel(std::make_shared<DataParallel>(std::move(group), mode, std::move(named), optimizer));
 }
 
 DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,

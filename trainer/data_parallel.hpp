@@ -41,6 +41,10 @@ struct MemoryBytes {
   int64_t optimizer = 0;  // AdamW moments, plus fp32 master weights when sharded
 };
 
+// The part [begin, end) of n items that `rank` of `ranks` takes: contiguous, in rank order, sizes
+// differing by at most one (token counts are global, so uneven parts stay exact).
+std::pair<int64_t, int64_t> rank_share(int64_t n, int rank, int ranks);
+
 class DataParallel {
  public:
   // `named` are the parameters the Trainer optimizes, with their Hugging Face names; they are
@@ -108,5 +112,8 @@ class DataParallel {
   std::unique_ptr<torch::optim::AdamW> optimizer_;  // over params_ (none) or masters_ (zero)
   std::vector<std::vector<int64_t>> shapes_;       // zero3: each parameter's shape, [param]
 };
+
+// Shards `trainer` over `group`: the parameters it optimizes, with the model's names for them.
+void shard_trainer(Trainer& trainer, std::shared_ptr<ProcessGroup> group, Sharding mode, const OptimizerConfig& optimizer);
 
 }  // namespace troupe

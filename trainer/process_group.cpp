@@ -199,6 +199,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ParallelEnv& env, c10:
 int ProcessGroup::rank() const { return impl_->backend->getRank(); }
 int ProcessGroup::size() const { return impl_->backend->getSize(); }
 std::string ProcessGroup::backend() const { return impl_->backend->getBackendName(); }
+std::chrono::milliseconds ProcessGroup::timeout() const { return impl_->timeout; }
 
 void ProcessGroup::all_reduce_sum(at::Tensor& t) {
   std::vector<at::Tensor> tensors{t};

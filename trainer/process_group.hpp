@@ -54,6 +54,7 @@ class ProcessGroup {
   int rank() const;
   int size() const;
   std::string backend() const;  // "gloo" or "nccl"
+  std::chrono::milliseconds timeout() const;  // how long a collective may wait
 
   void all_reduce_sum(at::Tensor& t);
   // out (n) = the sum over ranks of this rank's slice of `in` (size() x n, contiguous).

@@ -368,39 +368,53 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
   auto adv = grpo::advantages(reward_t, config_.scale_rewards).view({B});
   auto packed = pack(seqs, behaviour, config_.loss.beta > 0 ? reference : std::vector<const std::vector<float>*>{});
   packed.loss_mask *= torch::tensor(keep).unsqueeze(1);
+  // The whole batch's counts and advantages; with data parallelism every rank was given the
+  // whole batch and trains its share of the groups, rows [first, first + rows).
+  const double total_tokens = packed.loss_mask.sum().item<double>();
+  int64_t first = 0, rows = B;
+  if (dp_) {
+    auto [begin, end] = rank_share(static_cast<int64_t>(groups.size()), dp_->rank(), dp_->size());
+    first = begin * G;
+    rows = (end - begin) * G;
+  }
 
-  const int64_t micro = config_.micro_batch > 0 ? config_.micro_batch : B;
+  const int64_t micro = config_.micro_batch > 0 ? config_.micro_batch : std::max<int64_t>(rows, 1);
   auto device = model_->lm_head_weight().device();
   auto slice = [&](const torch::Tensor& t, int64_t start, int64_t len) {
-    return t.defined() ? t.narrow(0, start, len).to(device) : torch::Tensor();
+    return t.defined() ? t.narrow(0, first + start, len).to(device) : torch::Tensor();
+  };
+  auto part_of = [&](int64_t start, int64_t len) {
+    return Packed{packed.ids.narrow(0, first + start, len), packed.token_mask.narrow(0, first + start, len), {}, {}, {}};
   };
   // The proximal policy is the weights at the start of the step. With one pass they are the
   // current weights, so log pi_prox is simply log pi_theta detached, and no extra forward runs.
   torch::Tensor prox;
-  if (config_.num_iterations > 1) {
+  if (config_.num_iterations > 1 && rows > 0) {
     torch::NoGradGuard no_grad;
+    WholeParameters whole(dp_.get());
     std::vector<torch::Tensor> parts;
-    for (int64_t s = 0; s < B; s += micro) {
-      int64_t len = std::min(micro, B - s);
-      Packed part{packed.ids.narrow(0, s, len), packed.token_mask.narrow(0, s, len), {}, {}, {}};
-      parts.push_back(sequence_logprobs(*model_, part, config_.logprob_chunk));  // no grad: no checkpointing
-    }
+    for (int64_t s = 0; s < rows; s += micro)
+      parts.push_back(sequence_logprobs(*model_, part_of(s, std::min(micro, rows - s)), config_.logprob_chunk));
     prox = torch::cat(parts, 0);
+  } else if (config_.num_iterations > 1 && dp_ && dp_->shards_parameters()) {
+    WholeParameters whole(dp_.get());  // zero3's gather takes every rank, this one with no rows too
   }
 
-  const double total_tokens = packed.loss_mask.sum().item<double>();
   StepMetrics m;
   m.sequences = B;
   m.reward_mean = reward_t.mean().item<double>();
   for (int64_t iter = 0; iter < config_.num_iterations; ++iter) {
+    if (dp_) dp_->begin_step();
+    // zero3: as many passes as the rank with the most, so the layer collectives line up.
+    const int64_t passes = (rows + micro - 1) / micro;
+    for (int64_t extra = dp_ && dp_->shards_parameters() ? dp_->max_passes(passes) - passes : 0; extra > 0; --extra)
+      (target_logprobs(empty_pass()).sum() * 0.0).backward();
     double loss_sum = 0, kl_sum = 0, clip_sum = 0, weight_sum = 0;
-    for (int64_t s = 0; s < B; s += micro) {
-      const int64_t len = std::min(micro, B - s);
-      Packed part{packed.ids.narrow(0, s, len), packed.token_mask.narrow(0, s, len), {}, {}, {}};
-      // Positions beyond this micro-batch's own length are padding; trim to keep shapes tight.
-      auto logp = sequence_logprobs(*model_, part, config_.logprob_chunk, trunk_.get());
+    for (int64_t s = 0; s < rows; s += micro) {
+      const int64_t len = std::min(micro, rows - s);
+      auto logp = sequence_logprobs(*model_, part_of(s, len), config_.logprob_chunk, trunk_.get());
       grpo::LossInputs in{logp,
-                          prox.defined() ? slice(prox, s, len) : logp.detach(),
+                          prox.defined() ? prox.narrow(0, s, len) : logp.detach(),
                           slice(packed.behaviour, s, len),
                           slice(packed.reference, s, len),
                           slice(adv, s, len),
@@ -416,6 +430,13 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
       kl_sum += out.kl * out.tokens;
       clip_sum += out.clip_fraction * out.tokens;
       weight_sum += out.behaviour_weight * out.tokens;
+    }
+    if (dp_) {
+      // Each rank's sums over its rows: their sum is the whole batch's.
+      auto t = torch::tensor({loss_sum, kl_sum, clip_sum, weight_sum}, torch::kFloat64);
+      dp_->all_reduce_sum(t);
+      auto v = t.accessor<double, 1>();
+      std::tie(loss_sum, kl_sum, clip_sum, weight_sum) = std::tuple{v[0], v[1], v[2], v[3]};
     }
     m.lr = lr_at(version_);
     m.grad_norm = finish_step();

@@ -16,6 +16,7 @@ class Grpo final : public RlRecipe {
   Transformer& model() override { return trainer_->model(); }
   void save_state(const std::filesystem::path& dir) override { trainer_->save_state(dir / "optimizer.pt"); }
   void load_state(const std::filesystem::path& dir) override { trainer_->load_state(dir / "optimizer.pt"); }
+  DataParallel* data_parallel() override { return trainer_->data_parallel(); }
 
  private:
   std::unique_ptr<Trainer> trainer_;

@@ -45,8 +45,8 @@ class OnlineDpo final : public RlRecipe {
   std::optional<RlUpdate> train(const std::vector<RolloutGroup>& groups, nlohmann::json& extra) override {
     auto pairs = preference_pairs(groups);
     extra["pairs"] = pairs.size();
-    if (pairs.empty()) return std::nullopt;
-    auto d = trainer_->dpo_step(pairs);
+    if (pairs.empty()) return std::nullopt;  // on every rank: each has the whole batch
+    auto d = trainer_->dpo_step(my_share(pairs));
     RlUpdate u;
     // kl: the mean log pi/pi_ref of the paired completions (a sequence-level estimate).
     u.metrics = StepMetrics{.loss = d.loss, .kl = (d.reward_chosen + d.reward_rejected) / (2 * beta_),
@@ -56,8 +56,16 @@ class OnlineDpo final : public RlRecipe {
     return u;
   }
   Transformer& model() override { return trainer_->model(); }
+  // Each trainer rank its part of the pairs (dpo_step divides by the count over every rank).
+  std::vector<dpo::Pair> my_share(std::vector<dpo::Pair> pairs) const {
+    const DataParallel* dp = trainer_->data_parallel();
+    if (!dp) return pairs;
+    auto [begin, end] = rank_share(static_cast<int64_t>(pairs.size()), dp->rank(), dp->size());
+    return {std::make_move_iterator(pairs.begin() + begin), std::make_move_iterator(pairs.begin() + end)};
+  }
   void save_state(const std::filesystem::path& dir) override { trainer_->save_state(dir / "optimizer.pt"); }
   void load_state(const std::filesystem::path& dir) override { trainer_->load_state(dir / "optimizer.pt"); }
+  DataParallel* data_parallel() override { return trainer_->data_parallel(); }
 
  private:
   std::unique_ptr<Trainer> trainer_;

@@ -42,6 +42,7 @@ class Ppo final : public RlRecipe {
 std::unique_ptr<RlRecipe> make_ppo(Transformer policy, const GraphSpec& spec) {
   if (spec.lora) throw Error("ppo with LoRA adapters is not supported yet");
   if (!spec.ppo) throw Error("recipe ppo needs the spec's ppo settings");
+  if (spec.trainer_group) throw Error("ppo on several trainer ranks is not supported yet: its value head is not sharded");
   return std::make_unique<Ppo>(std::make_unique<PpoTrainer>(policy, *spec.ppo, spec.seed));
 }
 

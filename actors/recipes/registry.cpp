@@ -41,9 +41,16 @@ std::unique_ptr<RlRecipe> make_rl_recipe(const std::string& name, Transformer po
 }
 
 std::unique_ptr<Trainer> make_policy_trainer(Transformer policy, const GraphSpec& spec, TrainerConfig config) {
-  if (!spec.lora) return std::make_unique<Trainer>(policy, std::move(config));
-  attach_lora(*policy, *spec.lora, spec.seed);
-  return std::make_unique<Trainer>(policy, std::move(config), lora_parameters(*policy));
+  const OptimizerConfig optimizer = config.optimizer;
+  std::unique_ptr<Trainer> trainer;
+  if (spec.lora) {
+    attach_lora(*policy, *spec.lora, spec.seed);
+    trainer = std::make_unique<Trainer>(policy, std::move(config), lora_parameters(*policy));
+  } else {
+    trainer = std::make_unique<Trainer>(policy, std::move(config));
+  }
+  if (spec.trainer_group) shard_trainer(*trainer, spec.trainer_group, spec.sharding, optimizer);
+  return trainer;
 }
 
 double mean_reward(const std::vector<RolloutGroup>& groups) {

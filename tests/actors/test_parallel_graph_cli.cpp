@@ -1,0 +1,189 @@
+// Trainer ranks in the RL actor graph, through the troupe binary: rank 0 runs the graph and
+// trains its share of each batch, the other ranks follow it over c10d (Gloo on CPU). On the same
+// rollouts, grpo at 2 ranks in every sharding mode and at 4 with zero3, and online_dpo at 2,
+// end where one trainer ends (float32 to 1e-5, float64 to 1e-10); a job of 2 ranks killed
+// mid-way resumes at 3; torchrun starts the same job; ppo says it cannot. Tiny model,
+// deterministic runs, one thread per rank.
+#include <doctest/doctest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/actors/cluster_util.hpp"
+
+namespace fs = std::filesystem;
+using namespace troupe;
+using namespace troupe::test;
+
+namespace {
+
+fs::path run_dir(const std::string& name) { return fixtures() / ("parallel_graph_" + name); }
+
+void run_ok(const std::string& config, int64_t steps, const std::string& name, const std::string& args) {
+  fs::remove_all(run_dir(name));
+  auto res = run_command(bounded(600, troupe_run(config, task_args(steps) + " " + args + " run.dir=" +
+                                                             shell_quote(run_dir(name).string()))) + " 2>&1");
+  INFO(res.out);
+  REQUIRE(res.status == 0);
+}
+
+fs::path last_weights(const std::string& name, int64_t steps) {
+  return run_dir(name) / "checkpoints" / ("step_" + std::to_string(steps)) / "model.safetensors";
+}
+
+// The same rollouts (rewards and token counts equal: no sampled token came out otherwise),
+// and how far the trained figures and the final weights are from the other run's.
+struct Agreement {
+  double weights = 0, metrics = 0;
+};
+
+Agreement compare(const std::string& a, const std::string& b, int64_t steps, const std::vector<std::string>& keys) {
+  auto ma = metrics(run_dir(a)), mb = metrics(run_dir(b));
+  REQUIRE(ma.size() == static_cast<size_t>(steps));
+  REQUIRE(mb.size() == static_cast<size_t>(steps));
+  Agreement out;
+  for (size_t i = 0; i < ma.size(); ++i) {
+    CAPTURE(i);
+    CHECK(ma[i]["reward/mean"] == mb[i]["reward/mean"]);
+    CHECK(ma[i]["completion_tokens"] == mb[i]["completion_tokens"]);
+    CHECK(ma[i]["policy_version"] == mb[i]["policy_version"]);
+    for (const auto& k : keys) {
+      CAPTURE(k);
+      REQUIRE(ma[i][k].is_number());
+      REQUIRE(mb[i][k].is_number());
+      out.metrics = std::max(out.metrics, std::fabs(ma[i][k].get<double>() - mb[i][k].get<double>()));
+    }
+  }
+  out.weights = max_diff(last_weights(a, steps), last_weights(b, steps));
+  return out;
+}
+
+const std::vector<std::string> kGrpoKeys{"loss", "grad_norm", "kl", "clip_fraction", "behaviour_weight/mean"};
+
+}  // namespace
+
+TEST_CASE("grpo at 2 ranks in every sharding mode, and at 4 with zero3, ends where one trainer ends") {
+  const int64_t steps = 12;
+  run_ok("tiny_arithmetic_grpo", steps, "grpo_1", "");
+  for (auto [ranks, mode] : {std::pair{2, "none"}, {2, "zero1"}, {2, "zero2"}, {2, "zero3"}, {4, "zero3"}}) {
+    const std::string name = "grpo_" + std::to_string(ranks) + "_" + mode;
+    run_ok("tiny_arithmetic_grpo", steps, name,
+           "parallel.trainer_ranks=" + std::to_string(ranks) + " parallel.sharding=" + std::string(mode));
+    auto d = compare("grpo_1", name, steps, kGrpoKeys);
+    MESSAGE("grpo at " << ranks << " ranks, " << mode << ": max |weight diff| " << d.weights << ", max |metric diff| " << d.metrics);
+    CHECK(d.weights < 1e-5);
+    CHECK(d.metrics < 1e-5);
+  }
+}
+
+TEST_CASE("in float64, grpo at 2 ranks (zero2) follows one trainer to 1e-10") {
+  const int64_t steps = 8;
+  run_ok("tiny_arithmetic_grpo", steps, "f64_1", "model.dtype=float64");
+  run_ok("tiny_arithmetic_grpo", steps, "f64_2", "model.dtype=float64 parallel.trainer_ranks=2 parallel.sharding=zero2");
+  auto d = compare("f64_1", "f64_2", steps, kGrpoKeys);
+  MESSAGE("float64 grpo at 2 ranks, zero2: max |weight diff| " << d.weights << ", max |metric diff| " << d.metrics);
+  CHECK(d.weights < 1e-10);
+  CHECK(d.metrics < 1e-10);
+}
+
+TEST_CASE("online_dpo at 2 ranks (zero1) ends where one trainer ends: each rank trains its share of the pairs") {
+  const int64_t steps = 8;
+  run_ok("tiny_arithmetic_online_dpo", steps, "odpo_1", "");
+  run_ok("tiny_arithmetic_online_dpo", steps, "odpo_2", "parallel.trainer_ranks=2 parallel.sharding=zero1");
+  auto d = compare("odpo_1", "odpo_2", steps, {"loss", "grad_norm", "rewards/margins", "rewards/accuracies"});
+  MESSAGE("online_dpo at 2 ranks, zero1: max |weight diff| " << d.weights << ", max |metric diff| " << d.metrics);
+  CHECK(d.weights < 1e-5);
+  CHECK(d.metrics < 1e-5);
+  CHECK(metrics(run_dir("odpo_1")).back()["pairs"] == metrics(run_dir("odpo_2")).back()["pairs"]);
+}
+
+TEST_CASE("a job of 2 ranks (zero2) killed mid-way resumes at 3 ranks (zero3), ending where an uninterrupted run ends") {
+  const int64_t steps = 16;
+  const std::string args = "parallel.trainer_ranks=2 parallel.sharding=zero2 run.checkpoint_every=4";
+  run_ok("tiny_arithmetic_grpo", steps, "straight", args);
+  std::mt19937 rng(std::random_device{}());
+  const size_t kill_at = 5 + rng() % 7;
+  const auto dir = run_dir("killed");
+  fs::remove_all(dir);
+  const pid_t job = fork();
+  REQUIRE(job >= 0);
+  if (job == 0) {  // sh execs the launcher itself, so the SIGKILL below reaches it (its ranks follow)
+    std::string cmd = troupe_run("tiny_arithmetic_grpo", task_args(steps) + " " + args + " run.dir=" + shell_quote(dir.string())) +
+                      " > " + shell_quote((fixtures() / "parallel_graph_killed.log").string()) + " 2>&1";
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  wait_for_steps(dir, kill_at);
+  kill(job, SIGKILL);
+  wait_for(job);
+  const auto killed_after = metrics(dir).size();
+  REQUIRE(killed_after < static_cast<size_t>(steps));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the ranks' own ends (PR_SET_PDEATHSIG)
+  auto res = run_command(bounded(600, troupe_run("tiny_arithmetic_grpo", task_args(steps) +
+                                                                         " parallel.trainer_ranks=3 parallel.sharding=zero3"
+                                                                         " run.checkpoint_every=4 run.dir=" + shell_quote(dir.string()) +
+                                                                         " resume=" + shell_quote(dir.string()))) + " 2>&1");
+  INFO(res.out);
+  REQUIRE(res.status == 0);
+  CHECK(res.out.find("resumed from") != std::string::npos);
+  auto d = compare("straight", "killed", steps, kGrpoKeys);
+  MESSAGE("killed after " << killed_after << " steps, resumed at 3 ranks (zero3): max |weight diff| " << d.weights
+                          << ", max |metric diff| " << d.metrics);
+  CHECK(d.weights < 1e-5);
+  CHECK(d.metrics < 1e-5);
+}
+
+namespace {
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+}  // namespace
+
+TEST_CASE("torchrun --no-python runs the graph with its ranks, as parallel.trainer_ranks=2 does") {
+  const int64_t steps = 6;
+  run_ok("tiny_arithmetic_grpo", steps, "launcher_troupe", "parallel.trainer_ranks=2 parallel.sharding=zero3");
+  auto torchrun = source() / ".venv" / "bin" / "torchrun";
+  REQUIRE_MESSAGE(fs::exists(torchrun), torchrun.string() << " is missing: make setup installs torch");
+  fs::remove_all(run_dir("launcher_torchrun"));
+  std::string cmd = "cd " + shell_quote(source().string()) + " && OMP_NUM_THREADS=1 timeout 300 " +
+                    shell_quote(torchrun.string()) + " --no-python --nproc-per-node 2 --master-port " +
+                    std::to_string(free_port()) + " " + shell_quote(env_dir("TROUPE_BIN").string()) +
+                    " run configs/tiny_arithmetic_grpo.yaml " + task_args(steps) +
+                    " parallel.sharding=zero3 run.dir=" + shell_quote(run_dir("launcher_torchrun").string()) + " 2>&1";
+  auto res = run_command(cmd);
+  INFO(res.out);
+  REQUIRE(res.status == 0);
+  CHECK(res.out.find("2 trainer ranks (torchrun, gloo)") != std::string::npos);
+  CHECK(max_diff(last_weights("launcher_troupe", steps), last_weights("launcher_torchrun", steps)) == 0.0);
+}
+
+TEST_CASE("bad input: ppo on 2 ranks, and more ranks than groups per batch, name the key") {
+  auto res = run_command(troupe_run("tiny_arithmetic_ppo", task_args(2) + " parallel.trainer_ranks=2") + " 2>&1");
+  CHECK(res.status != 0);
+  CHECK_MESSAGE(res.out.find("parallel.trainer_ranks") != std::string::npos, res.out);
+  CHECK_MESSAGE(res.out.find("value head is not sharded") != std::string::npos, res.out);
+  res = run_command(troupe_run("tiny_arithmetic_grpo", task_args(2) + " trainer.batch_groups=2 parallel.trainer_ranks=3") + " 2>&1");
+  CHECK(res.status != 0);
+  CHECK_MESSAGE(res.out.find("parallel.trainer_ranks: must be <= trainer.batch_groups = 2") != std::string::npos, res.out);
+}
