@@ -69,22 +69,46 @@ Agreement compare(const std::string& a, const std::string& b, int64_t steps, con
   return out;
 }
 
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
 const std::vector<std::string> kGrpoKeys{"loss", "grad_norm", "kl", "clip_fraction", "behaviour_weight/mean"};
 
 }  // namespace
 
-TEST_CASE("grpo at 2 ranks in every sharding mode, and at 4 with zero3, ends where one trainer ends") {
+TEST_CASE("grpo at 2 ranks in every sharding mode, and at 4 with zero3, ends where one trainer ends; torchrun starts the same job") {
   const int64_t steps = 12;
   run_ok("tiny_arithmetic_grpo", steps, "grpo_1", "");
-  for (auto [ranks, mode] : {std::pair{2, "none"}, {2, "zero1"}, {2, "zero2"}, {2, "zero3"}, {4, "zero3"}}) {
+  for (const auto& [ranks, mode] : std::vector<std::pair<int, std::string>>{{2, "none"}, {2, "zero1"}, {2, "zero2"}, {2, "zero3"}, {4, "zero3"}}) {
     const std::string name = "grpo_" + std::to_string(ranks) + "_" + mode;
-    run_ok("tiny_arithmetic_grpo", steps, name,
-           "parallel.trainer_ranks=" + std::to_string(ranks) + " parallel.sharding=" + std::string(mode));
+    run_ok("tiny_arithmetic_grpo", steps, name, "parallel.trainer_ranks=" + std::to_string(ranks) + " parallel.sharding=" + mode);
     auto d = compare("grpo_1", name, steps, kGrpoKeys);
     MESSAGE("grpo at " << ranks << " ranks, " << mode << ": max |weight diff| " << d.weights << ", max |metric diff| " << d.metrics);
     CHECK(d.weights < 1e-5);
     CHECK(d.metrics < 1e-5);
   }
+  // The same graph under torchrun's agent (RANK, WORLD_SIZE, its own store): rank 0 runs it.
+  auto torchrun = source() / ".venv" / "bin" / "torchrun";
+  REQUIRE_MESSAGE(fs::exists(torchrun), torchrun.string() << " is missing: make setup installs torch");
+  fs::remove_all(run_dir("torchrun"));
+  std::string cmd = "cd " + shell_quote(source().string()) + " && OMP_NUM_THREADS=1 timeout 300 " +
+                    shell_quote(torchrun.string()) + " --no-python --nproc-per-node 2 --master-port " +
+                    std::to_string(free_port()) + " " + shell_quote(env_dir("TROUPE_BIN").string()) +
+                    " run configs/tiny_arithmetic_grpo.yaml " + task_args(steps) +
+                    " parallel.sharding=zero3 run.dir=" + shell_quote(run_dir("torchrun").string()) + " 2>&1";
+  auto res = run_command(cmd);
+  REQUIRE_MESSAGE(res.status == 0, res.out);
+  CHECK_MESSAGE(res.out.find("2 trainer ranks (torchrun, gloo)") != std::string::npos, res.out);
+  CHECK(max_diff(last_weights("grpo_2_zero3", steps), last_weights("torchrun", steps)) == 0.0);
 }
 
 TEST_CASE("in float64, grpo at 2 ranks (zero2) follows one trainer to 1e-10") {
@@ -134,48 +158,13 @@ TEST_CASE("a job of 2 ranks (zero2) killed mid-way resumes at 3 ranks (zero3), e
                                                                          " parallel.trainer_ranks=3 parallel.sharding=zero3"
                                                                          " run.checkpoint_every=4 run.dir=" + shell_quote(dir.string()) +
                                                                          " resume=" + shell_quote(dir.string()))) + " 2>&1");
-  INFO(res.out);
-  REQUIRE(res.status == 0);
-  CHECK(res.out.find("resumed from") != std::string::npos);
+  REQUIRE_MESSAGE(res.status == 0, res.out);
+  CHECK_MESSAGE(res.out.find("resumed from") != std::string::npos, res.out);
   auto d = compare("straight", "killed", steps, kGrpoKeys);
   MESSAGE("killed after " << killed_after << " steps, resumed at 3 ranks (zero3): max |weight diff| " << d.weights
                           << ", max |metric diff| " << d.metrics);
   CHECK(d.weights < 1e-5);
   CHECK(d.metrics < 1e-5);
-}
-
-namespace {
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
-}  // namespace
-
-TEST_CASE("torchrun --no-python runs the graph with its ranks, as parallel.trainer_ranks=2 does") {
-  const int64_t steps = 6;
-  run_ok("tiny_arithmetic_grpo", steps, "launcher_troupe", "parallel.trainer_ranks=2 parallel.sharding=zero3");
-  auto torchrun = source() / ".venv" / "bin" / "torchrun";
-  REQUIRE_MESSAGE(fs::exists(torchrun), torchrun.string() << " is missing: make setup installs torch");
-  fs::remove_all(run_dir("launcher_torchrun"));
-  std::string cmd = "cd " + shell_quote(source().string()) + " && OMP_NUM_THREADS=1 timeout 300 " +
-                    shell_quote(torchrun.string()) + " --no-python --nproc-per-node 2 --master-port " +
-                    std::to_string(free_port()) + " " + shell_quote(env_dir("TROUPE_BIN").string()) +
-                    " run configs/tiny_arithmetic_grpo.yaml " + task_args(steps) +
-                    " parallel.sharding=zero3 run.dir=" + shell_quote(run_dir("launcher_torchrun").string()) + " 2>&1";
-  auto res = run_command(cmd);
-  INFO(res.out);
-  REQUIRE(res.status == 0);
-  CHECK(res.out.find("2 trainer ranks (torchrun, gloo)") != std::string::npos);
-  CHECK(max_diff(last_weights("launcher_troupe", steps), last_weights("launcher_torchrun", steps)) == 0.0);
 }
 
 TEST_CASE("bad input: ppo on 2 ranks, and more ranks than groups per batch, name the key") {
