@@ -153,10 +153,10 @@ void check_placement(Map& top, RunConfig& c) {
   const bool graph = is_graph(c.recipe);
   const std::string recipe(to_string(c.recipe));
   if (c.recipe == Recipe::ppo)
-    top.map("parallel").check(c.parallel.trainer_ranks == 1 && c.parallel.sharding == ShardingMode::none, "trainer_ranks",
-                              "recipe ppo trains on one rank for now (its value head is not sharded); "
-                              "grpo, reinforce, online_dpo, sft, lora and dpo take parallel.trainer_ranks and parallel.sharding");
-  else if (graph)
+    top.map("parallel").check(c.parallel.sharding != ShardingMode::zero3, "sharding",
+                              "recipe ppo takes none, zero1 or zero2 (its two heads' forward pass does not gather "
+                              "zero3's layers), got zero3");
+  if (graph)
     top.map("parallel").check(c.trainer.batch_groups >= c.parallel.trainer_ranks, "trainer_ranks",
                               "must be <= trainer.batch_groups = " + fmt(c.trainer.batch_groups) +
                                   " (every rank trains a part of each batch's groups)" + got(c.parallel.trainer_ranks));

@@ -276,22 +276,42 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
   const auto device = model_->lm_head_weight().device();
   const auto mask = (packed.loss_mask * torch::tensor(keep).unsqueeze(1)).to(device);  // (B, T-1)
   const auto behaviour = packed.behaviour.to(device);
-  const int64_t micro = config_.micro_batch > 0 ? config_.micro_batch : B;
+  // This rank's rows [first, first + rows): all of them, or its share of the groups.
+  int64_t first = 0, rows = B;
+  if (dp_) {
+    auto [begin, end] = rank_share(static_cast<int64_t>(groups.size()), dp_->rank(), dp_->size());
+    rows = 0;
+    for (int64_t g = 0; g < end; ++g) (g < begin ? first : rows) += groups[g].size();
+  }
+  const int64_t micro = config_.micro_batch > 0 ? config_.micro_batch : std::max<int64_t>(rows, 1);
 
   // The step's starting (proximal) weights: log pi_prox and V_old, without a graph.
   torch::Tensor prox, old_values;
   {
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> lp, vs;
-    for (int64_t s = 0; s < B; s += micro) {
-      const int64_t len = std::min(micro, B - s);
-      auto f = forward(*model_, *value_head_, packed.ids.narrow(0, s, len), packed.token_mask.narrow(0, s, len),
-                       config_.logprob_chunk);
+    for (int64_t s = 0; s < rows; s += micro) {
+      const int64_t len = std::min(micro, rows - s);
+      auto f = forward(*model_, *value_head_, packed.ids.narrow(0, first + s, len),
+                       packed.token_mask.narrow(0, first + s, len), config_.logprob_chunk);
       lp.push_back(f.logprobs);
       vs.push_back(f.values);
     }
-    prox = torch::cat(lp, 0);
-    old_values = torch::cat(vs, 0);
+    if (dp_) {
+      // Every rank's rows in place, zeros elsewhere, summed: the whole batch's, exactly.
+      const auto logprob_dtype = at::promote_types(model_->lm_head_weight().scalar_type(), torch::kFloat32);
+      prox = torch::zeros(mask.sizes(), mask.options().dtype(logprob_dtype));
+      old_values = torch::zeros(mask.sizes(), mask.options());
+      if (rows > 0) {
+        prox.narrow(0, first, rows).copy_(torch::cat(lp, 0));
+        old_values.narrow(0, first, rows).copy_(torch::cat(vs, 0));
+      }
+      dp_->all_reduce_sum(prox);
+      dp_->all_reduce_sum(old_values);
+    } else {
+      prox = torch::cat(lp, 0);
+      old_values = torch::cat(vs, 0);
+    }
   }
 
   // Rewards, GAE and whitening on the CPU: [B, T-1] is small, and the recursion is a loop
@@ -320,8 +340,8 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
   const double total = static_cast<double>(m.tokens);
   for (int64_t iter = 0; iter < config_.num_iterations; ++iter) {
     double loss = 0, policy_loss = 0, value_loss = 0, clip = 0, value_clip = 0, weight = 0;
-    for (int64_t s = 0; s < B; s += micro) {
-      const int64_t len = std::min(micro, B - s);
+    for (int64_t s = first; s < first + rows; s += micro) {
+      const int64_t len = std::min(micro, first + rows - s);
       auto f = forward(*model_, *value_head_, packed.ids.narrow(0, s, len), packed.token_mask.narrow(0, s, len),
                        config_.logprob_chunk);
       auto out = ppo::loss({f.logprobs, prox.narrow(0, s, len), behaviour.narrow(0, s, len),
@@ -339,6 +359,13 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
       value_clip += out.value_clip_fraction * share;
       weight += out.behaviour_weight * share;
     }
+    if (dp_) {
+      // Each rank's shares of the token means: their sum is the whole batch's.
+      auto t = torch::tensor({loss, policy_loss, value_loss, clip, value_clip, weight}, torch::kFloat64);
+      dp_->all_reduce_sum(t);
+      auto v = t.accessor<double, 1>();
+      std::tie(loss, policy_loss, value_loss, clip, value_clip, weight) = std::tuple{v[0], v[1], v[2], v[3], v[4], v[5]};
+    }
     m.loss = loss;
     m.policy_loss = policy_loss;
     m.value_loss = value_loss;
@@ -346,6 +373,11 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
     m.value_clip_fraction = value_clip;
     m.behaviour_weight = weight;
     m.lr = lr_at(version_);
+    if (dp_) {
+      m.grad_norm = dp_->step(m.lr);  // reduce, clip by the global norm, AdamW, gather
+      ++version_;
+      continue;
+    }
     if (config_.optimizer.max_grad_norm > 0) {
       m.grad_norm = torch::nn::utils::clip_grad_norm_(params_, config_.optimizer.max_grad_norm);
     } else {
@@ -384,11 +416,27 @@ std::map<std::string, torch::Tensor> PpoTrainer::value_head_state_dict() const {
 }
 
 void PpoTrainer::save_state(const std::filesystem::path& file) const {
+  if (dp_) return dp_->save_state(file.parent_path(), version_);
   save_optimizer_state(file, *optimizer_, params_, version_);
 }
 
 void PpoTrainer::load_state(const std::filesystem::path& file) {
+  if (dp_) {
+    version_ = dp_->load_state(file.parent_path());
+    return;
+  }
   version_ = load_optimizer_state(file, *optimizer_, params_, config_.optimizer);
+}
+
+void PpoTrainer::shard(std::shared_ptr<ProcessGroup> group, Sharding mode) {
+  if (mode == Sharding::zero3)
+    throw Error("ppo: parallel.sharding zero3 is not supported (the policy and value heads' forward pass does not "
+                "gather zero3's layers); use none, zero1 or zero2");
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (const auto& item : model_->named_parameters()) named.emplace_back(item.key(), item.value());
+  for (const auto& [name, t] : value_head_state_dict()) named.emplace_back(name, t);
+  dp_ = std::make_shared<DataParallel>(std::move(group), mode, std::move(named), config_.optimizer);
+  optimizer_.reset();  // the data-parallel optimizer steps instead
 }
 
 void PpoTrainer::save_value_head(const std::filesystem::path& file) const {

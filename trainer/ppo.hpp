@@ -14,6 +14,7 @@
 #include <torch/types.h>
 
 #include "policy/transformer.hpp"
+#include "trainer/data_parallel.hpp"
 #include "trainer/rollout.hpp"
 #include "trainer/trainer.hpp"
 
@@ -129,9 +130,18 @@ class PpoTrainer {
   std::map<std::string, torch::Tensor> value_head_state_dict() const;
   void save_value_head(const std::filesystem::path& file) const;
   void load_value_head(const std::filesystem::path& file);
-  // The AdamW state over the policy and the head, and the version (save_optimizer_state).
+  // The AdamW state over the policy and the head, and the version (save_optimizer_state);
+  // sharded: this rank's shard in the file's folder (DataParallel::save_state).
   void save_state(const std::filesystem::path& file) const;
   void load_state(const std::filesystem::path& file);
+
+  // Data parallelism over trainer ranks, the value head included ("v_head.*", in the last
+  // block). Every rank is then given the whole batch: each computes the step's starting
+  // log-probs and values for its share of the groups, summed across ranks so that GAE,
+  // whitening and the metrics see the whole batch, and trains its share. zero3 is refused:
+  // the two heads' forward pass does not go through zero3's layer-by-layer trunk.
+  void shard(std::shared_ptr<ProcessGroup> group, Sharding mode);
+  DataParallel* data_parallel() const { return dp_.get(); }
 
   int64_t version() const { return version_; }
   Transformer& model() { return model_; }
@@ -145,6 +155,7 @@ class PpoTrainer {
   PpoConfig config_;
   std::vector<torch::Tensor> params_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::shared_ptr<DataParallel> dp_;
   int64_t version_ = 0;
 };
 

@@ -25,13 +25,15 @@ class Ppo final : public RlRecipe {
   }
   Transformer& model() override { return ppo_->model(); }
   void save_state(const std::filesystem::path& dir) override {
-    ppo_->save_value_head(dir / "value_head.safetensors");
+    // The head is whole on every rank (zero3 is refused); rank 0 writes it.
+    if (!ppo_->data_parallel() || ppo_->data_parallel()->rank() == 0) ppo_->save_value_head(dir / "value_head.safetensors");
     ppo_->save_state(dir / "optimizer.pt");
   }
   void load_state(const std::filesystem::path& dir) override {
     ppo_->load_value_head(dir / "value_head.safetensors");
     ppo_->load_state(dir / "optimizer.pt");
   }
+  DataParallel* data_parallel() override { return ppo_->data_parallel(); }
 
  private:
   std::unique_ptr<PpoTrainer> ppo_;
@@ -42,8 +44,9 @@ class Ppo final : public RlRecipe {
 std::unique_ptr<RlRecipe> make_ppo(Transformer policy, const GraphSpec& spec) {
   if (spec.lora) throw Error("ppo with LoRA adapters is not supported yet");
   if (!spec.ppo) throw Error("recipe ppo needs the spec's ppo settings");
-  if (spec.trainer_group) throw Error("ppo on several trainer ranks is not supported yet: its value head is not sharded");
-  return std::make_unique<Ppo>(std::make_unique<PpoTrainer>(policy, *spec.ppo, spec.seed));
+  auto ppo = std::make_unique<PpoTrainer>(policy, *spec.ppo, spec.seed);
+  if (spec.trainer_group) ppo->shard(spec.trainer_group, spec.sharding);
+  return std::make_unique<Ppo>(std::move(ppo));
 }
 
 }  // namespace troupe

@@ -270,15 +270,16 @@ TEST_CASE("parallel: trainer ranks and sharding for the trainer-alone recipes, e
         "configs/x.yaml, override 'parallel.trainer_ranks=5': parallel.trainer_ranks: must be <= trainer.batch_size = 4 "
         "(every rank trains a part of each batch), got 5");
   CHECK(error_of(sft, {"parallel.timeout_s=0"}).find("parallel.timeout_s: must be > 0") != std::string::npos);
-  // The actor-graph recipes split each batch's groups between the ranks; ppo trains on one.
+  // The actor-graph recipes split each batch's groups between the ranks; ppo has no zero3.
   const auto grpo = parse_run_config(kBase, "configs/x.yaml", {"parallel.trainer_ranks=2", "parallel.sharding=zero3"});
   CHECK(grpo.parallel.trainer_ranks == 2);
   CHECK(grpo.parallel.sharding == ShardingMode::zero3);
   CHECK(error_of(kBase, {"trainer.batch_groups=2", "parallel.trainer_ranks=3"}) ==
         "configs/x.yaml, override 'parallel.trainer_ranks=3': parallel.trainer_ranks: must be <= trainer.batch_groups = 2 "
         "(every rank trains a part of each batch's groups), got 3");
-  CHECK(error_of(kBase, {"recipe=ppo", "parallel.trainer_ranks=2"}).find("parallel.trainer_ranks: recipe ppo trains on one rank") !=
-        std::string::npos);
+  CHECK(parse_run_config(kBase, "configs/x.yaml", {"recipe=ppo", "parallel.trainer_ranks=2"}).parallel.trainer_ranks == 2);
+  CHECK(error_of(kBase, {"recipe=ppo", "parallel.trainer_ranks=2", "parallel.sharding=zero3"})
+            .find("parallel.sharding: recipe ppo takes none, zero1 or zero2") != std::string::npos);
 }
 
 TEST_CASE("malformed YAML is a troupe::Error with file and line") {
