@@ -213,6 +213,7 @@ struct ParallelSection {
   ShardingMode sharding = ShardingMode::none;  // none: DDP; zero1: optimizer sharded; zero2: + gradients;
                                                // zero3: + parameters (each layer gathered where it computes)
   double timeout_s = 300;     // a collective waiting longer (a dead or hung rank) fails the job
+  bool prefetch = true;       // zero3: gather the next layer while this one computes (FSDP's prefetch)
   bool operator==(const ParallelSection&) const = default;
 };
 

@@ -177,6 +177,7 @@ void fields(auto& v, Of<ParallelSection> auto& c) {
   v("trainer_ranks", c.trainer_ranks, at_least(1, "1: one process"));
   v("sharding", c.sharding);
   v("timeout_s", c.timeout_s, above(0));
+  v("prefetch", c.prefetch);
 }
 
 // Read over dir = runs/<config file stem>, its default.

@@ -113,6 +113,7 @@ Policy load_policy(const RunConfig& c, TrainerConfig trainer) {
     p.rank = group->rank();
     p.ranks = group->size();
     shard_trainer(*p.trainer, std::move(group), sharding_of(to_string(c.parallel.sharding)), trainer.optimizer);
+    p.trainer->data_parallel()->set_prefetch(c.parallel.prefetch);
   }
   return p;
 }

@@ -206,6 +206,7 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
   spec.stop_requested = stop_requested;
   spec.trainer_group = group;
   spec.sharding = sharding_of(to_string(c.parallel.sharding));
+  spec.prefetch = c.parallel.prefetch;
   if (group && group->rank() > 0) {
     spec.resume = std::move(resume);
     follow_trainer(spec);

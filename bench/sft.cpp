@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
   std::string model_path, rows_path, dtype_name = "float32";
   int64_t batch = 4, steps = 3, warmup = 1, threads = 0;
   double lr = 1e-5, max_grad_norm = 1.0;
-  bool checkpointing = false;
+  bool checkpointing = false, no_prefetch = false;
   std::string sharding = "none";
   CLI::App app{"Time troupe's SFT training steps"};
   app.add_option("--model", model_path)->required();
@@ -48,6 +48,7 @@ int main(int argc, char** argv) {
   app.add_flag("--activation-checkpointing", checkpointing);
   app.add_option("--sharding", sharding, "under torchrun: none, zero1, zero2 or zero3")
       ->check(CLI::IsMember({"none", "zero1", "zero2", "zero3"}));
+  app.add_flag("--no-prefetch", no_prefetch, "zero3: gather each layer only when it computes");
   CLI11_PARSE(app, argc, argv);
 
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
@@ -81,10 +82,8 @@ int main(int argc, char** argv) {
   troupe::Trainer trainer(m.model, config);
   if (env.distributed()) {
     auto group = troupe::ProcessGroup::connect(env, torch::kCPU, std::chrono::minutes(10));
-    std::vector<std::pair<std::string, torch::Tensor>> named;
-    for (const auto& item : m.model->named_parameters()) named.emplace_back(item.key(), item.value());
-    trainer.set_data_parallel(
-        std::make_shared<troupe::DataParallel>(group, troupe::sharding_of(sharding), named, config.optimizer));
+    troupe::shard_trainer(trainer, group, troupe::sharding_of(sharding), config.optimizer);
+    trainer.data_parallel()->set_prefetch(!no_prefetch);
   }
   std::vector<double> losses;
   int64_t tokens = 0;

@@ -108,6 +108,7 @@ def main():
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--sharding", default="zero2", choices=["none", "zero1", "zero2", "zero3"])
+    p.add_argument("--no-prefetch", action="store_true", help="zero3: troupe gathers each layer only when it computes")
     p.add_argument("--child", choices=["peer"], help=argparse.SUPPRESS)
     p.add_argument("--rows", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -123,14 +124,14 @@ def main():
               "--lr", str(args.lr), "--max-grad-norm", str(args.max_grad_norm)]
     try:
         ours = torchrun(args, ["--no-python", args.bench, "--model", args.work, "--rows", f.name, "--threads", "1",
-                               "--sharding", args.sharding] + common)
+                               "--sharding", args.sharding] + (["--no-prefetch"] if args.no_prefetch else []) + common)
         theirs = torchrun(args, [__file__, "--child", "peer", "--work", args.work, "--rows", f.name,
                                  "--seq", str(args.seq)] + common)
     finally:
         os.unlink(f.name)
     print(f"SFT float32 at {args.ranks} ranks x 1 thread, global batch {args.batch} x {args.seq} tokens, "
           f"{args.warmup} warm-up + {args.steps} timed steps, AdamW lr {args.lr}, clip {args.max_grad_norm}; "
-          f"troupe sharding {args.sharding} (Gloo), peer {theirs[0]['peer']} (torch {theirs[0]['torch']})")
+          f"troupe sharding {args.sharding}{' without prefetch' if args.no_prefetch else ''} (Gloo), peer {theirs[0]['peer']} (torch {theirs[0]['torch']})")
     for name, side in (("troupe", ours), ("peer", theirs)):
         rss = ", ".join(f"rank {r['rank']} {r['peak_rss_mib']:.0f} MiB" for r in side)
         print(f"{name + ':':8}{side[0]['tokens_per_s']:8.1f} tokens/s ({side[0]['seconds_per_step']:.1f} s/step), "

@@ -171,6 +171,7 @@ double DataParallel::step_replicated() {
 
 double DataParallel::step_sharded() {
   torch::NoGradGuard no_grad;
+  drop_prefetch();  // gathered from the masters this step changes
   const int64_t W = group_->size(), r = group_->rank();
   double local = 0;
   for (size_t i = 0; i < blocks_.size(); ++i) {
@@ -250,8 +251,15 @@ void DataParallel::gather_block(size_t i) {
   auto& b = blocks_[i];
   if (b.whole) return;
   torch::NoGradGuard no_grad;
-  auto full = torch::empty({b.padded}, masters_[i].options().requires_grad(false));
-  if (group_->size() > 1) group_->all_gather(full, masters_[i].detach()); else full.copy_(masters_[i].detach());
+  torch::Tensor full;
+  if (prefetch_.wait && prefetch_.block == i) {
+    prefetch_.wait();
+    full = prefetch_.full;
+    prefetch_ = {};
+  } else {
+    full = torch::empty({b.padded}, masters_[i].options().requires_grad(false));
+    if (group_->size() > 1) group_->all_gather(full, masters_[i].detach()); else full.copy_(masters_[i].detach());
+  }
   for (size_t k = 0; k < b.members.size(); ++k) {
     auto& p = params_[b.members[k]];
     const auto& shape = shapes_[b.members[k]];
@@ -281,7 +289,30 @@ void DataParallel::begin_step() {
 }
 
 void DataParallel::gather_layer(int64_t layer) {
-  if (auto i = block_of_layer(layer); mode_ == Sharding::zero3 && i < blocks_.size()) gather_block(i);
+  if (auto i = block_of_layer(layer); mode_ == Sharding::zero3 && i < blocks_.size()) {
+    gather_block(i);
+    prefetch_after(layer);
+  }
+}
+
+// A forward pass walks the layers up, the backward pass's recomputation down from the last:
+// the same layer twice in a row turns the walk around. Every rank calls gather_layer in the
+// same order, so every rank starts the same prefetches.
+void DataParallel::prefetch_after(int64_t layer) {
+  direction_ = layer == last_layer_ ? -direction_ : layer > last_layer_ ? 1 : -1;
+  last_layer_ = layer;
+  const size_t next = block_of_layer(layer + direction_);
+  if (!prefetch_on_ || group_->size() == 1 || next == blocks_.size() || blocks_[next].whole || prefetch_.block == next) return;
+  drop_prefetch();
+  torch::NoGradGuard no_grad;
+  prefetch_.block = next;
+  prefetch_.full = torch::empty({blocks_[next].padded}, masters_[next].options().requires_grad(false));
+  prefetch_.wait = group_->start_all_gather(prefetch_.full, masters_[next].detach());
+}
+
+void DataParallel::drop_prefetch() {
+  if (prefetch_.wait) prefetch_.wait();
+  prefetch_ = {};
 }
 
 void DataParallel::release_layer(int64_t layer) {
@@ -319,11 +350,13 @@ void DataParallel::gather_all() {
 
 void DataParallel::release_all() {
   if (mode_ != Sharding::zero3) return;
+  drop_prefetch();
   for (size_t i = 0; i < blocks_.size(); ++i) release_block(i);
 }
 
 void DataParallel::reshard() {
   if (mode_ == Sharding::none) return;
+  drop_prefetch();
   torch::NoGradGuard no_grad;
   const int64_t W = group_->size(), r = group_->rank();
   for (size_t i = 0; i < blocks_.size(); ++i) {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -70,7 +71,10 @@ class DataParallel {
 
   // zero3. A step's collectives must line up on every rank: the Trainer runs as many
   // forward/backward passes on each (max_passes), empty ones where a rank has run out.
+  // gather_layer also starts gathering the layer expected next (the next one up in a forward
+  // pass, down in the backward pass's recomputation), which the next call then only waits for.
   bool shards_parameters() const { return mode_ == Sharding::zero3; }
+  void set_prefetch(bool on) { prefetch_on_ = on; }  // on by default
   void begin_step();                 // the embedding, norm and head whole until step() ends
   void gather_layer(int64_t layer);  // decoder layer `layer`'s parameters whole
   void release_layer(int64_t layer);
@@ -97,6 +101,8 @@ class DataParallel {
   double step_sharded();
   void gather_block(size_t b);
   void release_block(size_t b);
+  void prefetch_after(int64_t layer);
+  void drop_prefetch();  // waits for a prefetch in flight and forgets it
   size_t block_of_layer(int64_t layer) const;
   // A block's parameters (or their gradients, zeros where undefined) as one fp32 buffer.
   at::Tensor flatten(const Block& b, bool grads) const;
@@ -111,6 +117,14 @@ class DataParallel {
   std::vector<at::Tensor> masters_;                // sharded: [block] this rank's fp32 slice
   std::unique_ptr<torch::optim::AdamW> optimizer_;  // over params_ (none) or masters_ (zero)
   std::vector<std::vector<int64_t>> shapes_;       // zero3: each parameter's shape, [param]
+  struct Prefetch {
+    size_t block = SIZE_MAX;     // the block being gathered, if any
+    at::Tensor full;             // its whole flat buffer, once waited for
+    std::function<void()> wait;
+  } prefetch_;
+  int64_t last_layer_ = -1;  // the layer gathered last, and which way the layers were walked
+  int direction_ = -1;
+  bool prefetch_on_ = true;
 };
 
 // Shards `trainer` over `group`: the parameters it optimizes, with the model's names for them.

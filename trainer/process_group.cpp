@@ -220,6 +220,15 @@ void ProcessGroup::all_gather(at::Tensor& out, const at::Tensor& in) {
   impl_->wait(impl_->backend->_allgather_base(out, input, c10d::AllgatherOptions{}), "all_gather");
 }
 
+std::function<void()> ProcessGroup::start_all_gather(at::Tensor& out, const at::Tensor& in) {
+  TORCH_CHECK(out.numel() == in.numel() * size(), "all_gather: output ", out.sizes(), " is not ", size(), " x input ",
+              in.sizes());
+  auto input = in.contiguous();
+  auto work = impl_->backend->_allgather_base(out, input, c10d::AllgatherOptions{});
+  // The input stays alive until the work is done; the group outlives its callers' waits.
+  return [impl = impl_.get(), work, input] { impl->wait(work, "all_gather (prefetch)"); };
+}
+
 void ProcessGroup::broadcast(at::Tensor& t, int root) {
   std::vector<at::Tensor> tensors{t};
   c10d::BroadcastOptions o;

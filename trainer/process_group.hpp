@@ -61,6 +61,9 @@ class ProcessGroup {
   void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in);
   // out (size() x n) = every rank's `in` (n), in rank order.
   void all_gather(at::Tensor& out, const at::Tensor& in);
+  // The same, started: `out` holds the result once the returned function has returned (it
+  // throws as the collectives above do). Meanwhile this rank may compute, or start others.
+  std::function<void()> start_all_gather(at::Tensor& out, const at::Tensor& in);
   void broadcast(at::Tensor& t, int root);
   void barrier();
 

@@ -49,7 +49,10 @@ std::unique_ptr<Trainer> make_policy_trainer(Transformer policy, const GraphSpec
   } else {
     trainer = std::make_unique<Trainer>(policy, std::move(config));
   }
-  if (spec.trainer_group) shard_trainer(*trainer, spec.trainer_group, spec.sharding, optimizer);
+  if (spec.trainer_group) {
+    shard_trainer(*trainer, spec.trainer_group, spec.sharding, optimizer);
+    trainer->data_parallel()->set_prefetch(spec.prefetch);
+  }
   return trainer;
 }
 

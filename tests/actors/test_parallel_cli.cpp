@@ -153,6 +153,15 @@ TEST_CASE("one rank through the data-parallel path is bit for bit the plain trai
   CHECK(fs::exists(run_dir("world1") / "checkpoints" / ("step_" + std::to_string(steps)) / "layout.json"));
 }
 
+TEST_CASE("zero3's prefetch of the next layer changes nothing: parallel.prefetch=false ends bit for bit the same") {
+  const int steps = 10;
+  run_ok(kSft, steps, "prefetch_on", "parallel.trainer_ranks=2 parallel.sharding=zero3");
+  run_ok(kSft, steps, "prefetch_off",
+         "parallel.trainer_ranks=2 parallel.sharding=zero3 parallel.prefetch=false");
+  CHECK(max_diff(last_weights(kSft, "prefetch_on", steps), last_weights(kSft, "prefetch_off", steps)) == 0.0);
+  CHECK(max_metric_diff(run_dir("prefetch_on"), run_dir("prefetch_off"), {"loss", "grad_norm"}) == 0.0);
+}
+
 TEST_CASE("memory per rank at 4 ranks against one rank: zero2 shards gradients and optimizer, zero3 parameters too") {
   const int steps = 2;
   run_ok(kSft, steps, "memory_1", "parallel.sharding=none", "export RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
