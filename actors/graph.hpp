@@ -68,7 +68,7 @@ struct GraphSpec {
   // (actors/trainer_ranks.hpp). nullptr: one trainer, unsharded.
   std::shared_ptr<ProcessGroup> trainer_group;
   Sharding sharding = Sharding::none;
-  bool prefetch = true;  // zero3: the next layer gathered while one computes
+  bool prefetch = false;  // zero3: the next layer gathered while one computes (parallel.prefetch)
   int64_t batch_groups = 8;  // rollout groups per optimizer step
   int64_t steps = 10;        // optimizer steps in the run
 

@@ -70,6 +70,10 @@ std::optional<int32_t> model_eos(const ModelConfig& config, const Tokenizer& tok
   return eos;
 }
 
+bool prefetches(const ParallelSection& p, const ProcessGroup& group) {
+  return p.prefetch == PrefetchMode::always || (p.prefetch == PrefetchMode::automatic && group.backend() == "nccl");
+}
+
 std::shared_ptr<ProcessGroup> trainer_group(const RunConfig& c, int64_t batch, const std::string& batch_key) {
   ParallelEnv env = parallel_env();
   if (env.launcher == "none") env.master_port = 0;  // one rank, sharded: a store on any free port
@@ -112,8 +116,9 @@ Policy load_policy(const RunConfig& c, TrainerConfig trainer) {
   if (auto group = trainer_group(c, c.trainer.batch_size, "trainer.batch_size")) {
     p.rank = group->rank();
     p.ranks = group->size();
+    const bool prefetch = prefetches(c.parallel, *group);
     shard_trainer(*p.trainer, std::move(group), sharding_of(to_string(c.parallel.sharding)), trainer.optimizer);
-    p.trainer->data_parallel()->set_prefetch(c.parallel.prefetch);
+    p.trainer->data_parallel()->set_prefetch(prefetch);
   }
   return p;
 }

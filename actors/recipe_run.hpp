@@ -60,6 +60,8 @@ Policy load_policy(const RunConfig& c, TrainerConfig trainer);
 // trainer. Throws Error naming parallel.trainer_ranks when it disagrees with the launcher, or
 // `batch_key` when its `batch` is smaller than the ranks.
 std::shared_ptr<ProcessGroup> trainer_group(const RunConfig& c, int64_t batch, const std::string& batch_key);
+// Whether zero3 prefetches the next layer in `group` (parallel.prefetch, auto resolved by backend).
+bool prefetches(const ParallelSection& p, const ProcessGroup& group);
 
 // A checkpoint to continue from (config.resume): its folder, step and data cursor.
 struct Resume {

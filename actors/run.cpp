@@ -206,7 +206,7 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
   spec.stop_requested = stop_requested;
   spec.trainer_group = group;
   spec.sharding = sharding_of(to_string(c.parallel.sharding));
-  spec.prefetch = c.parallel.prefetch;
+  spec.prefetch = group && recipe::prefetches(c.parallel, *group);
   if (group && group->rank() > 0) {
     spec.resume = std::move(resume);
     follow_trainer(spec);

@@ -74,7 +74,7 @@ class DataParallel {
   // gather_layer also starts gathering the layer expected next (the next one up in a forward
   // pass, down in the backward pass's recomputation), which the next call then only waits for.
   bool shards_parameters() const { return mode_ == Sharding::zero3; }
-  void set_prefetch(bool on) { prefetch_on_ = on; }  // on by default
+  void set_prefetch(bool on) { prefetch_on_ = on; }  // on by default (troupe run decides: parallel.prefetch)
   void begin_step();                 // the embedding, norm and head whole until step() ends
   void gather_layer(int64_t layer);  // decoder layer `layer`'s parameters whole
   void release_layer(int64_t layer);

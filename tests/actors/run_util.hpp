@@ -1,8 +1,13 @@
-// What the tests that drive `troupe run` share: the command line, a run's metrics.jsonl, and
-// the largest weight difference between two checkpoints' safetensors files.
+// What the tests that drive `troupe run` share: the command line, a run's metrics.jsonl, the
+// largest weight difference between two checkpoints' safetensors files, and a free port.
 #pragma once
 
 #include <doctest/doctest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -49,6 +54,19 @@ inline double max_diff(const std::filesystem::path& a, const std::filesystem::pa
     }
   }
   return worst;
+}
+
+// A port free on loopback now (for a launcher's rendezvous).
+inline int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
 }
 
 }  // namespace troupe::test

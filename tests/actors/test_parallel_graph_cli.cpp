@@ -1,15 +1,12 @@
 // Trainer ranks in the RL actor graph, through the troupe binary: rank 0 runs the graph and
 // trains its share of each batch, the other ranks follow it over c10d (Gloo on CPU). On the same
-// rollouts, grpo at 2 ranks in every sharding mode and at 4 with zero3, online_dpo and ppo at
-// 2, end where one trainer ends (float32 to 1e-5, float64 to 1e-10); a job of 2 ranks killed
-// mid-way resumes at 3; torchrun starts the same job. Tiny model, deterministic runs, one
-// thread per rank.
+// rollouts, grpo at 2 ranks (none, zero2, zero3, and with LoRA) and at 4 (zero3), online_dpo
+// (zero1) and ppo (zero2) at 2, end where one trainer ends (float32 to 1e-5, float64 to 1e-10);
+// a job of 2 ranks killed mid-way resumes at 3; torchrun starts the same job. Tiny model,
+// deterministic runs, one thread per rank.
 #include <doctest/doctest.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -69,26 +66,24 @@ Agreement compare(const std::string& a, const std::string& b, int64_t steps, con
   return out;
 }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
+// `config` run by one trainer (NAME_1) and at trainer ranks (NAME_2, `ranks` added), both with
+// `args`; how far apart they end.
+Agreement against_one_trainer(const std::string& config, int64_t steps, const std::string& name, const std::string& args,
+                              const std::string& ranks, const std::vector<std::string>& keys) {
+  run_ok(config, steps, name + "_1", args);
+  run_ok(config, steps, name + "_2", args + " " + ranks);
+  return compare(name + "_1", name + "_2", steps, keys);
 }
 
 const std::vector<std::string> kGrpoKeys{"loss", "grad_norm", "kl", "clip_fraction", "behaviour_weight/mean"};
 
 }  // namespace
 
-TEST_CASE("grpo at 2 ranks in every sharding mode, and at 4 with zero3, ends where one trainer ends; torchrun starts the same job") {
+// zero1 runs below (online_dpo); sft covers every mode at 2 and 4 ranks (test_parallel_cli).
+TEST_CASE("grpo at 2 ranks (none, zero2, zero3) and at 4 (zero3) ends where one trainer ends; torchrun starts the same job") {
   const int64_t steps = 12;
   run_ok("tiny_arithmetic_grpo", steps, "grpo_1", "");
-  for (const auto& [ranks, mode] : std::vector<std::pair<int, std::string>>{{2, "none"}, {2, "zero1"}, {2, "zero2"}, {2, "zero3"}, {4, "zero3"}}) {
+  for (const auto& [ranks, mode] : std::vector<std::pair<int, std::string>>{{2, "none"}, {2, "zero2"}, {2, "zero3"}, {4, "zero3"}}) {
     const std::string name = "grpo_" + std::to_string(ranks) + "_" + mode;
     run_ok("tiny_arithmetic_grpo", steps, name, "parallel.trainer_ranks=" + std::to_string(ranks) + " parallel.sharding=" + mode);
     auto d = compare("grpo_1", name, steps, kGrpoKeys);
@@ -113,19 +108,32 @@ TEST_CASE("grpo at 2 ranks in every sharding mode, and at 4 with zero3, ends whe
 
 TEST_CASE("in float64, grpo at 2 ranks (zero2) follows one trainer to 1e-10") {
   const int64_t steps = 8;
-  run_ok("tiny_arithmetic_grpo", steps, "f64_1", "model.dtype=float64");
-  run_ok("tiny_arithmetic_grpo", steps, "f64_2", "model.dtype=float64 parallel.trainer_ranks=2 parallel.sharding=zero2");
-  auto d = compare("f64_1", "f64_2", steps, kGrpoKeys);
+  auto d = against_one_trainer("tiny_arithmetic_grpo", steps, "f64", "model.dtype=float64",
+                               "parallel.trainer_ranks=2 parallel.sharding=zero2", kGrpoKeys);
   MESSAGE("float64 grpo at 2 ranks, zero2: max |weight diff| " << d.weights << ", max |metric diff| " << d.metrics);
   CHECK(d.weights < 1e-10);
   CHECK(d.metrics < 1e-10);
 }
 
+TEST_CASE("grpo with LoRA at 2 ranks (zero3): only the adapters are reduced and sharded, the same adapter as one trainer") {
+  const int64_t steps = 8;
+  auto d = against_one_trainer("tiny_arithmetic_grpo", steps, "lora", "lora.rank=8 lora.alpha=16",
+                               "parallel.trainer_ranks=2 parallel.sharding=zero3", kGrpoKeys);
+  const auto adapter = [&](const std::string& name) {
+    return run_dir(name) / "checkpoints" / ("step_" + std::to_string(steps)) / "adapter" / "adapter_model.safetensors";
+  };
+  const double a = max_diff(adapter("lora_1"), adapter("lora_2"));
+  MESSAGE("grpo with LoRA at 2 ranks, zero3: max |adapter diff| " << a << ", merged weights " << d.weights
+                                                                  << ", max |metric diff| " << d.metrics);
+  CHECK(a < 1e-5);
+  CHECK(d.weights < 1e-5);
+  CHECK(d.metrics < 1e-5);
+}
+
 TEST_CASE("online_dpo at 2 ranks (zero1) ends where one trainer ends: each rank trains its share of the pairs") {
   const int64_t steps = 8;
-  run_ok("tiny_arithmetic_online_dpo", steps, "odpo_1", "");
-  run_ok("tiny_arithmetic_online_dpo", steps, "odpo_2", "parallel.trainer_ranks=2 parallel.sharding=zero1");
-  auto d = compare("odpo_1", "odpo_2", steps, {"loss", "grad_norm", "rewards/margins", "rewards/accuracies"});
+  auto d = against_one_trainer("tiny_arithmetic_online_dpo", steps, "odpo", "", "parallel.trainer_ranks=2 parallel.sharding=zero1",
+                               {"loss", "grad_norm", "rewards/margins", "rewards/accuracies"});
   MESSAGE("online_dpo at 2 ranks, zero1: max |weight diff| " << d.weights << ", max |metric diff| " << d.metrics);
   CHECK(d.weights < 1e-5);
   CHECK(d.metrics < 1e-5);
@@ -169,9 +177,8 @@ TEST_CASE("a job of 2 ranks (zero2) killed mid-way resumes at 3 ranks (zero3), e
 
 TEST_CASE("ppo at 2 ranks (zero2), value head included, ends where one trainer ends") {
   const int64_t steps = 8;
-  run_ok("tiny_arithmetic_ppo", steps, "ppo_1", "");
-  run_ok("tiny_arithmetic_ppo", steps, "ppo_2", "parallel.trainer_ranks=2 parallel.sharding=zero2");
-  auto d = compare("ppo_1", "ppo_2", steps, {"loss", "grad_norm", "value_loss", "explained_variance", "returns/mean"});
+  auto d = against_one_trainer("tiny_arithmetic_ppo", steps, "ppo", "", "parallel.trainer_ranks=2 parallel.sharding=zero2",
+                               {"loss", "grad_norm", "value_loss", "explained_variance", "returns/mean"});
   const auto head = [&](const std::string& name) {
     return run_dir(name) / "checkpoints" / ("step_" + std::to_string(steps)) / "value_head.safetensors";
   };
