@@ -192,6 +192,38 @@ Forward forward(TransformerImpl& model, torch::nn::LinearImpl& value_head, const
   return {logp, values};
 }
 
+struct Rows {
+  int64_t first = 0, count = 0;  // this rank's rows of the batch
+  int64_t micro = 1;             // per forward pass
+};
+
+// log pi_prox and V_old [B, T-1] of the whole batch at the step's starting weights, without a
+// graph. With data parallelism each rank computes its own rows, and the rows are summed across
+// ranks (zeros elsewhere, so the sum is exact): every rank then holds the whole batch's.
+std::pair<torch::Tensor, torch::Tensor> starting_point(TransformerImpl& model, torch::nn::LinearImpl& value_head,
+                                                       const Packed& packed, const torch::Tensor& mask, Rows rows,
+                                                       int64_t chunk, DataParallel* dp) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> lp, vs;
+  for (int64_t s = rows.first; s < rows.first + rows.count; s += rows.micro) {
+    const int64_t len = std::min(rows.micro, rows.first + rows.count - s);
+    auto f = forward(model, value_head, packed.ids.narrow(0, s, len), packed.token_mask.narrow(0, s, len), chunk);
+    lp.push_back(f.logprobs);
+    vs.push_back(f.values);
+  }
+  if (!dp) return {torch::cat(lp, 0), torch::cat(vs, 0)};
+  const auto logprob_dtype = at::promote_types(model.lm_head_weight().scalar_type(), torch::kFloat32);
+  auto prox = torch::zeros(mask.sizes(), mask.options().dtype(logprob_dtype));
+  auto old_values = torch::zeros(mask.sizes(), mask.options());
+  if (rows.count > 0) {
+    prox.narrow(0, rows.first, rows.count).copy_(torch::cat(lp, 0));
+    old_values.narrow(0, rows.first, rows.count).copy_(torch::cat(vs, 0));
+  }
+  dp->all_reduce_sum(prox);
+  dp->all_reduce_sum(old_values);
+  return {prox, old_values};
+}
+
 double masked_mean(const torch::Tensor& x, const torch::Tensor& mask) {
   return ((x * mask).sum() / mask.sum().clamp_min(1)).item<double>();
 }
@@ -286,33 +318,8 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
   const int64_t micro = config_.micro_batch > 0 ? config_.micro_batch : std::max<int64_t>(rows, 1);
 
   // The step's starting (proximal) weights: log pi_prox and V_old, without a graph.
-  torch::Tensor prox, old_values;
-  {
-    torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> lp, vs;
-    for (int64_t s = 0; s < rows; s += micro) {
-      const int64_t len = std::min(micro, rows - s);
-      auto f = forward(*model_, *value_head_, packed.ids.narrow(0, first + s, len),
-                       packed.token_mask.narrow(0, first + s, len), config_.logprob_chunk);
-      lp.push_back(f.logprobs);
-      vs.push_back(f.values);
-    }
-    if (dp_) {
-      // Every rank's rows in place, zeros elsewhere, summed: the whole batch's, exactly.
-      const auto logprob_dtype = at::promote_types(model_->lm_head_weight().scalar_type(), torch::kFloat32);
-      prox = torch::zeros(mask.sizes(), mask.options().dtype(logprob_dtype));
-      old_values = torch::zeros(mask.sizes(), mask.options());
-      if (rows > 0) {
-        prox.narrow(0, first, rows).copy_(torch::cat(lp, 0));
-        old_values.narrow(0, first, rows).copy_(torch::cat(vs, 0));
-      }
-      dp_->all_reduce_sum(prox);
-      dp_->all_reduce_sum(old_values);
-    } else {
-      prox = torch::cat(lp, 0);
-      old_values = torch::cat(vs, 0);
-    }
-  }
+  const auto [prox, old_values] = starting_point(*model_, *value_head_, packed, mask, {first, rows, micro},
+                                                 config_.logprob_chunk, dp_.get());
 
   // Rewards, GAE and whitening on the CPU: [B, T-1] is small, and the recursion is a loop
   // over columns that would cost a few kernel launches per column on a GPU.
