@@ -62,6 +62,12 @@ void save_rank_state(RlRecipe& recipe, const std::filesystem::path& dir) {
   const int rank = dp ? dp->rank() : 0;
   torch::save(at::detail::getDefaultCPUGenerator().get_state(),
               (dir / (rank == 0 ? std::string("rng.pt") : "rng.rank" + std::to_string(rank) + ".pt")).string());
+  if (rank == 0) {
+    // Ranks beyond this world size, from a checkpoint of the same step rewritten at fewer ranks.
+    const int ranks = dp ? dp->size() : 1;
+    for (int r = ranks; std::filesystem::exists(dir / ("rng.rank" + std::to_string(r) + ".pt")); ++r)
+      std::filesystem::remove(dir / ("rng.rank" + std::to_string(r) + ".pt"));
+  }
   if (dp && dp->size() > 1) dp->barrier();
 }
 

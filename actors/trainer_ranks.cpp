@@ -89,7 +89,12 @@ WholeWeights::WholeWeights(DataParallel* dp) : dp_(dp) {
 }
 
 WholeWeights::~WholeWeights() {
-  if (dp_) dp_->release_all();
+  if (!dp_) return;
+  try {
+    dp_->release_all();
+  } catch (const std::exception& e) {  // a prefetch that failed in flight: its error is the one to see
+    std::cerr << "troupe: " << e.what() << std::endl;
+  }
 }
 
 void follow_trainer(const GraphSpec& spec) {

@@ -112,6 +112,19 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
   }
   for (auto& b : blocks_) b.padded = (b.numel + W - 1) / W * W;
   for (auto& [name, p] : named) original_.push_back(p);
+  if (W > 1) {
+    // As DDP does: every rank starts from rank 0's values, whatever built each rank's copy
+    // (a warm-up with nondeterministic kernels, say).
+    torch::NoGradGuard no_grad;
+    for (const auto& b : blocks_) {
+      auto flat = flatten(b, /*grads=*/false);
+      group_->broadcast(flat, 0);
+      for (size_t k = 0; k < b.members.size(); ++k) {
+        auto& p = params_[b.members[k]];
+        p.copy_(flat.narrow(0, b.offsets[k], p.numel()).view_as(p));
+      }
+    }
+  }
   if (mode_ == Sharding::none) {
     optimizer_ = make_adamw(params_, config_);
   } else {

@@ -487,6 +487,9 @@ void PpoTrainer::load_value_head(const std::filesystem::path& file) {
     }
     param.copy_(it->second);
   }
+  // Sharded: the head's slices of the fp32 masters follow (a sharded optimizer state loaded
+  // after this replaces them with the saved masters).
+  if (dp_) dp_->reshard();
 }
 
 }  // namespace troupe

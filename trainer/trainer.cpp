@@ -4,6 +4,7 @@
 #include "trainer/trainer.hpp"
 
 #include <cmath>
+#include <iostream>
 #include <mutex>
 #include <numbers>
 #include <unordered_set>
@@ -303,7 +304,12 @@ struct WholeParameters {
     if (dp) dp->gather_all();
   }
   ~WholeParameters() {
-    if (dp) dp->release_all();
+    if (!dp) return;
+    try {
+      dp->release_all();
+    } catch (const std::exception& e) {  // a prefetch that failed in flight: its error is the one to see
+      std::cerr << "troupe: " << e.what() << std::endl;
+    }
   }
   DataParallel* dp;
 };
