@@ -16,6 +16,9 @@
 #include <string_view>
 #include <vector>
 
+#include "policy/named.hpp"
+#include "trainer/rl_options.hpp"
+
 namespace troupe {
 
 struct RewardSpec;  // reward/registry.hpp; to_reward_specs() converts to it
@@ -25,29 +28,20 @@ struct RewardSpec;  // reward/registry.hpp; to_reward_specs() converts to it
 enum class Recipe { grpo, sft, lora, dpo, ppo, online_dpo, reinforce };
 enum class ModelDtype { automatic, float32, bfloat16, float64 };  // automatic: "auto", resolved per machine at run time
 enum class EngineKind { builtin, remote };
-enum class RewardScaling { group, batch, none };
-enum class LossAggregation { grpo, dr_grpo, dapo };
+using RewardScaling = rl::ScaleRewards;
+using LossAggregation = rl::Aggregation;
 enum class LossKind { grpo, dpo, ppo };
 enum class ShardingMode { none, zero1, zero2, zero3 };
 enum class PrefetchMode { automatic, always, never };  // automatic: "auto"
 
-// Each enum's names as written in YAML, found by names_of(value): the config reads, checks and
-// writes them from these tables alone.
-template <class E>
-struct Named {
-  std::string_view name;
-  E value;
-};
+// Each enum's names as written in YAML (policy/named.hpp); trainer/rl_options.hpp holds the
+// RL loss's own.
 inline constexpr Named<Recipe> kRecipes[] = {{"grpo", Recipe::grpo}, {"sft", Recipe::sft}, {"lora", Recipe::lora},
                                              {"dpo", Recipe::dpo}, {"ppo", Recipe::ppo}, {"online_dpo", Recipe::online_dpo},
                                              {"reinforce", Recipe::reinforce}};
 inline constexpr Named<ModelDtype> kModelDtypes[] = {{"auto", ModelDtype::automatic}, {"float32", ModelDtype::float32},
                                                      {"bfloat16", ModelDtype::bfloat16}, {"float64", ModelDtype::float64}};
 inline constexpr Named<EngineKind> kEngineKinds[] = {{"builtin", EngineKind::builtin}, {"remote", EngineKind::remote}};
-inline constexpr Named<RewardScaling> kRewardScalings[] = {
-    {"group", RewardScaling::group}, {"batch", RewardScaling::batch}, {"none", RewardScaling::none}};
-inline constexpr Named<LossAggregation> kLossAggregations[] = {
-    {"grpo", LossAggregation::grpo}, {"dr_grpo", LossAggregation::dr_grpo}, {"dapo", LossAggregation::dapo}};
 inline constexpr Named<LossKind> kLossKinds[] = {{"grpo", LossKind::grpo}, {"dpo", LossKind::dpo}, {"ppo", LossKind::ppo}};
 inline constexpr Named<ShardingMode> kShardingModes[] = {{"none", ShardingMode::none}, {"zero1", ShardingMode::zero1},
                                                          {"zero2", ShardingMode::zero2}, {"zero3", ShardingMode::zero3}};
@@ -56,21 +50,9 @@ inline constexpr Named<PrefetchMode> kPrefetchModes[] = {
 constexpr std::span<const Named<Recipe>> names_of(Recipe) { return kRecipes; }
 constexpr std::span<const Named<ModelDtype>> names_of(ModelDtype) { return kModelDtypes; }
 constexpr std::span<const Named<EngineKind>> names_of(EngineKind) { return kEngineKinds; }
-constexpr std::span<const Named<RewardScaling>> names_of(RewardScaling) { return kRewardScalings; }
-constexpr std::span<const Named<LossAggregation>> names_of(LossAggregation) { return kLossAggregations; }
 constexpr std::span<const Named<LossKind>> names_of(LossKind) { return kLossKinds; }
 constexpr std::span<const Named<ShardingMode>> names_of(ShardingMode) { return kShardingModes; }
 constexpr std::span<const Named<PrefetchMode>> names_of(PrefetchMode) { return kPrefetchModes; }
-
-template <class E>
-concept ConfigEnum = requires(E e) { names_of(e); };
-
-template <ConfigEnum E>
-constexpr std::string_view to_string(E v) {
-  for (const auto& n : names_of(v))
-    if (n.value == v) return n.name;
-  return "?";
-}
 
 // The reward kinds the config accepts; a test checks they cover reward/'s built-ins.
 inline constexpr std::array<std::string_view, 4> kRewardKindNames = {"math_answer", "format", "plugin", "http"};
@@ -152,13 +134,10 @@ struct ReferenceSection {
   bool operator==(const ReferenceSection&) const = default;
 };
 
-struct LossSection {
+// trainer.loss: the policy-gradient keys as the trainer takes them (rl::PolicyLoss: objective,
+// aggregation, clip, beta, correction), and those of the other losses.
+struct LossSection : rl::PolicyLoss {
   LossKind kind = LossKind::grpo;
-  LossAggregation aggregation = LossAggregation::dapo;  // grpo: mean per sequence; dr_grpo: / max_tokens; dapo: per token
-  double epsilon = 0.2;         // lower clip, ratio >= 1 - epsilon; YAML: clip: [epsilon, epsilon_high] or the two keys
-  double epsilon_high = 0.28;   // upper clip, ratio <= 1 + epsilon_high (DAPO's clip-higher)
-  double beta = 0.0;            // weight of the k3 KL to the reference; 0 spawns no reference
-  double behaviour_cap = 5.0;   // truncation of pi_prox / mu (decoupled PPO's behaviour weight)
   double label_smoothing = 0.0; // dpo: the chance a preference label is wrong (cDPO), in [0, 0.5)
   // ppo (beta is then the per-token KL penalty folded into the rewards):
   double gamma = 1.0;           // discount over completion tokens
@@ -190,8 +169,9 @@ struct TrainerSection {
   int64_t micro_batch = 0;       // sequences per forward/backward (gradient accumulation); 0: all at once
   int64_t num_iterations = 1;    // optimizer passes over each batch (GRPO's mu)
   int64_t logprob_chunk = 128;   // sequence positions per LM-head chunk (memory vs speed)
-  RewardScaling scale_rewards = RewardScaling::group;  // divide advantages by the group's std, the batch's, or not
-  bool mask_truncated_completions = false;           // completions cut at max_tokens contribute no loss
+  rl::Advantage advantage = rl::Advantage::group;      // group (GRPO), rloo, reinforce_pp, reinforce_pp_baseline
+  RewardScaling scale_rewards = RewardScaling::group;  // advantage group: divide by the group's std, the batch's, or not
+  rl::Overlong overlong;          // completions cut at max_tokens: mode none, mask (no loss) or penalty (DAPO's)
   LossSection loss;
   std::optional<SftWarmupSection> sft_warmup;
   // sft, lora and dpo:

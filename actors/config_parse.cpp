@@ -101,8 +101,9 @@ void read_clip(Map& m, LossSection& c) {
 }
 
 void read_loss(Map m, LossSection& c, Recipe recipe) {
-  read_table(m, c, {"clip", "epsilon", "epsilon_high"});
+  read_table(m, c, {"clip", "epsilon", "epsilon_high", "correction"});
   read_clip(m, c);
+  if (m.given("correction")) read_table(m.map("correction"), c.correction);
   // dpo: the loss is DPO's and beta its strength (TRL's default 0.1); the reference is the
   // frozen starting model unless reference.path names another.
   if (recipe == Recipe::dpo || recipe == Recipe::online_dpo) {
@@ -110,6 +111,10 @@ void read_loss(Map m, LossSection& c, Recipe recipe) {
     c.kind = LossKind::dpo;
     if (!m.has("beta")) c.beta = 0.1;
     m.check(c.beta > 0, "beta", "must be > 0 for dpo" + got(c.beta));
+    // (to_yaml writes the defaults back, so only another value is refused)
+    const std::string none = "recipe " + std::string(to_string(recipe)) + " has no policy-gradient objective";
+    m.check(c.objective == rl::Objective::grpo, "objective", none);
+    m.check(c.correction == rl::Correction{}, "correction", none);
   } else if (recipe == Recipe::ppo) {
     m.check(!m.has("kind") || c.kind == LossKind::ppo, "kind", "recipe ppo takes kind: ppo");
     c.kind = LossKind::ppo;
@@ -119,8 +124,18 @@ void read_loss(Map m, LossSection& c, Recipe recipe) {
   }
 }
 
-void read_trainer(Map m, TrainerSection& c, Recipe recipe) {
-  read_table(m, c, {"loss", "sft_warmup"});
+void read_overlong(Map m, rl::Overlong& c, int64_t max_tokens) {
+  read_table(m, c);
+  if (c.mode == rl::OverlongMode::penalty)
+    m.check(c.buffer <= max_tokens, "buffer", "must be <= generator.max_tokens = " + fmt(max_tokens) + got(c.buffer));
+}
+
+void read_trainer(Map m, TrainerSection& c, Recipe recipe, int64_t max_tokens) {
+  read_table(m, c, {"loss", "sft_warmup", "overlong"});
+  if (m.given("overlong")) read_overlong(m.map("overlong"), c.overlong, max_tokens);
+  m.check(c.advantage == rl::Advantage::group || recipe == Recipe::grpo || recipe == Recipe::reinforce, "advantage",
+          "recipe " + std::string(to_string(recipe)) + " takes no advantage estimator" +
+              (recipe == Recipe::ppo ? " (ppo's advantages are GAE's)" : ""));
   read_loss(m.map("loss"), c.loss, recipe);
   if (m.given("sft_warmup")) {
     auto& w = c.sft_warmup.emplace();
@@ -213,7 +228,7 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   const bool data_seeded = read_data(top.map("data"), c.data);
   read_generator(top.map("generator"), c.generator);
   read_rewards(s, top, c.rewards);
-  read_trainer(top.map("trainer"), c.trainer, c.recipe);
+  read_trainer(top.map("trainer"), c.trainer, c.recipe, c.generator.max_tokens);
   read_table(top.map("async"), c.async);
   read_table(top.map("parallel"), c.parallel);
   read_table(top.map("cluster"), c.cluster);

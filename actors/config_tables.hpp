@@ -101,12 +101,32 @@ void fields(auto& v, Of<ReferenceSection> auto& c) {
   v("path", c.path, not_empty("must not be empty (absent: model.path)"));
 }
 
-// clip: [epsilon, epsilon_high] (or the two keys) is read and written around this table.
+inline bool masks(rl::CorrectionMode m) {
+  return m == rl::CorrectionMode::token_mask || m == rl::CorrectionMode::sequence_mask;
+}
+
+void fields(auto& v, Of<rl::Correction> auto& c) {
+  v("mode", c.mode);
+  v("low", c.low, OnlyWhen{masks(c.mode), "only used with mode token_mask or sequence_mask (the others only cap)"},
+    within("[0, 1] (a ratio of 1 is on-policy and always kept)", [](double x) { return x >= 0 && x <= 1; }));
+  v("high", c.high, at_least(1, "a bound below 1 would down-weight or drop on-policy tokens"));
+}
+
+// buffer <= generator.max_tokens is checked across sections (config_parse.cpp).
+void fields(auto& v, Of<rl::Overlong> auto& c) {
+  const std::string only = "only used with mode: penalty";
+  v("mode", c.mode);
+  v("buffer", c.buffer, OnlyWhen{c.mode == rl::OverlongMode::penalty, only}, Required{"the tokens before max_tokens over which the penalty ramps up"}, at_least(1));
+  v("factor", c.factor, OnlyWhen{c.mode == rl::OverlongMode::penalty, only}, above(0));
+}
+
+// clip: [epsilon, epsilon_high] (or the two keys) and correction are read and written around
+// this table.
 void fields(auto& v, Of<LossSection> auto& c) {
   v("kind", c.kind);
+  v("objective", c.objective);
   v("aggregation", c.aggregation);
   v("beta", c.beta, at_least(0, "0: no KL, no reference"));
-  v("behaviour_cap", c.behaviour_cap, at_least(1, "a cap below 1 would down-weight on-policy tokens"));
   v("label_smoothing", c.label_smoothing, within("[0, 0.5)", [](double x) { return x >= 0 && x < 0.5; }));
   v("gamma", c.gamma, within("(0, 1]", [](double x) { return x > 0 && x <= 1; }));
   v("lambda", c.lambda, within("[0, 1]", [](double x) { return x >= 0 && x <= 1; }));
@@ -137,8 +157,8 @@ void fields(auto& v, Of<TrainerSection> auto& c) {
   v("micro_batch", c.micro_batch, at_least(0, "0: the whole batch at once"));
   v("num_iterations", c.num_iterations, at_least(1));
   v("logprob_chunk", c.logprob_chunk, at_least(1));
-  v("scale_rewards", c.scale_rewards);
-  v("mask_truncated_completions", c.mask_truncated_completions);
+  v("advantage", c.advantage);
+  v("scale_rewards", c.scale_rewards, OnlyWhen{c.advantage == rl::Advantage::group, "only used with advantage: group"});
   v("threads", c.threads, at_least(0, "0: LibTorch's default"));
   v("batch_size", c.batch_size, at_least(1));
   v("max_length", c.max_length, at_least(2));

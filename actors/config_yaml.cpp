@@ -27,6 +27,7 @@ void write_dataset(std::ostringstream& out, const std::string& name, const Datas
 void write_loss(std::ostringstream& out, const LossSection& l) {
   write_table(out, 2, "loss", l);
   Writer{out, 4}.line("clip", "[" + fmt(l.epsilon) + ", " + fmt(l.epsilon_high) + "]");
+  write_table(out, 4, "correction", l.correction);
 }
 
 }  // namespace
@@ -50,6 +51,7 @@ std::string to_yaml(const RunConfig& c) {
   write_table(out, 0, "reference", c.reference);
   write_table(out, 0, "trainer", c.trainer);
   write_loss(out, c.trainer.loss);
+  write_table(out, 2, "overlong", c.trainer.overlong);
   if (c.trainer.sft_warmup) write_table(out, 2, "sft_warmup", *c.trainer.sft_warmup);
   write_table(out, 0, "async", c.async);
   write_table(out, 0, "cluster", c.cluster);

@@ -38,12 +38,12 @@ TrainerConfig trainer_config(const RunConfig& c) {
   out.optimizer = {.lr = t.lr, .weight_decay = t.weight_decay, .warmup_steps = t.warmup_steps * t.num_iterations,
                    .total_steps = t.steps * t.num_iterations, .min_lr_ratio = t.min_lr_ratio,
                    .max_grad_norm = t.max_grad_norm};
-  out.loss = {.epsilon = t.loss.epsilon, .epsilon_high = t.loss.epsilon_high, .beta = t.loss.beta,
-              .behaviour_cap = t.loss.behaviour_cap,
-              .aggregation = static_cast<grpo::Aggregation>(static_cast<int>(t.loss.aggregation)),
-              .max_completion_length = c.generator.max_tokens};
-  out.scale_rewards = static_cast<grpo::ScaleRewards>(static_cast<int>(t.scale_rewards));
-  out.mask_truncated_completions = t.mask_truncated_completions;
+  out.loss = t.loss;  // trainer.loss's policy-gradient part, as read
+  out.loss.max_completion_length = c.generator.max_tokens;
+  out.advantage = t.advantage;
+  out.scale_rewards = t.scale_rewards;
+  out.overlong = t.overlong;
+  out.overlong.max_tokens = c.generator.max_tokens;
   out.num_iterations = t.num_iterations;
   out.micro_batch = t.micro_batch;
   out.logprob_chunk = t.logprob_chunk;

@@ -93,12 +93,14 @@ std::map<std::string, torch::Tensor> sft_warmup(const RunConfig& c, const Tokeni
 
 PpoConfig ppo_config(const RunConfig& c, const OptimizerConfig& optimizer) {
   const auto& l = c.trainer.loss;
-  return PpoConfig{.optimizer = optimizer, .gamma = l.gamma, .lambda = l.lambda, .kl_coef = l.beta,
-                   .value_clip = l.value_clip, .vf_coef = l.vf_coef, .epsilon = l.epsilon, .epsilon_high = l.epsilon_high,
-                   .behaviour_cap = l.behaviour_cap, .whiten_advantages = l.whiten_advantages,
-                   .mask_truncated_completions = c.trainer.mask_truncated_completions,
-                   .num_iterations = c.trainer.num_iterations, .micro_batch = c.trainer.micro_batch,
-                   .logprob_chunk = c.trainer.logprob_chunk};
+  PpoConfig out{.optimizer = optimizer, .gamma = l.gamma, .lambda = l.lambda, .kl_coef = l.beta,
+                .value_clip = l.value_clip, .vf_coef = l.vf_coef, .epsilon = l.epsilon, .epsilon_high = l.epsilon_high,
+                .correction = l.correction, .objective = l.objective, .whiten_advantages = l.whiten_advantages,
+                .num_iterations = c.trainer.num_iterations, .micro_batch = c.trainer.micro_batch,
+                .logprob_chunk = c.trainer.logprob_chunk};
+  out.overlong = c.trainer.overlong;
+  out.overlong.max_tokens = c.generator.max_tokens;
+  return out;
 }
 
 // The generators: what each one builds (model, tokenizer, engine, sampling), how many, where

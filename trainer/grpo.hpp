@@ -1,26 +1,18 @@
-// GRPO's pieces as functions: group-relative advantages and the decoupled-PPO clipped loss
-// with an optional k3 KL to a reference. No model, no optimizer: trainer.cpp wires them.
+// GRPO's loss as a function: the objective of trainer.loss.objective (trainer/objective.hpp)
+// per token, the behaviour weight of trainer.loss.correction (trainer/correction.hpp), an
+// optional k3 KL to a reference, and the aggregation. No model, no optimizer: trainer.cpp wires
+// them; the advantages come from trainer/advantage.hpp.
 #pragma once
 
 #include <torch/types.h>
 
+#include "trainer/rl_options.hpp"
+
 namespace troupe::grpo {
 
-enum class ScaleRewards { group, batch, none };
-enum class Aggregation { grpo, dr_grpo, dapo };
-
-// rewards [N, G] (N groups of G) -> advantages [N, G]: r - mean over the group, divided by
-// the group's std (group), the whole batch's std (batch) or nothing (none; Dr. GRPO).
-torch::Tensor advantages(const torch::Tensor& rewards, ScaleRewards scale, double eps = 1e-4);
-
-struct LossConfig {
-  double epsilon = 0.2;        // lower clip: ratio >= 1 - epsilon
-  double epsilon_high = 0.28;  // upper clip: ratio <= 1 + epsilon_high (DAPO's clip-higher)
-  double beta = 0.0;           // weight of the k3 KL to the reference
-  double behaviour_cap = 5.0;  // truncation of pi_prox / mu
-  Aggregation aggregation = Aggregation::dapo;
-  int64_t max_completion_length = 0;  // Dr. GRPO's constant normaliser (tokens per sequence)
-};
+using Aggregation = rl::Aggregation;
+using ScaleRewards = rl::ScaleRewards;
+using LossConfig = rl::PolicyLoss;
 
 // Token-aligned inputs, all [B, L] over completion positions (padding masked out).
 struct LossInputs {
@@ -36,7 +28,10 @@ struct LossOutput {
   torch::Tensor loss;       // scalar, to backward
   double kl = 0;            // mean k3 KL over counted tokens (0 without a reference)
   double clip_fraction = 0; // share of counted tokens whose ratio was clipped
-  double behaviour_weight = 0;  // mean truncated pi_prox / mu
+  double behaviour_weight = 0;    // mean corrected pi_prox / mu
+  double masked_fraction = 0;     // share of counted tokens the correction set to weight 0
+  double truncated_fraction = 0;  // share of counted tokens whose weight was capped
+  torch::Tensor ratio;      // [B, L] the raw pi_prox / mu, for the step's quantiles (no gradient)
   int64_t tokens = 0;
 };
 

@@ -12,6 +12,9 @@
 #include "kernels/logprobs.hpp"
 #include "policy/error.hpp"
 #include "policy/safetensors.hpp"
+#include "trainer/advantage.hpp"
+#include "trainer/correction.hpp"
+#include "trainer/objective.hpp"
 
 namespace troupe {
 
@@ -70,9 +73,9 @@ torch::Tensor whiten(const torch::Tensor& x, const torch::Tensor& mask, double e
   return (x - mean) * (var + eps).rsqrt() * m;
 }
 
-// Per token, with r = pi_theta / pi_prox and w = min(pi_prox / mu, cap) (decoupled PPO, as
-// in grpo.cpp but with a per-token advantage A_t):
-//   policy_t = -w * min(r * A_t, clip(r, 1 - eps, 1 + eps_high) * A_t)
+// Per token, with r = pi_theta / pi_prox and w the corrected pi_prox / mu (decoupled PPO, as in
+// grpo.cpp but with a per-token advantage A_t; objective grpo is PPO's clip):
+//   policy_t = w * objective_t,  grpo's objective_t = -min(r * A_t, clip(r, 1 - eps, 1 + eps_high) * A_t)
 //   value_t  = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)
 //   loss     = mean_t policy_t + vf_coef * mean_t value_t        (means over counted tokens)
 LossOutput loss(const LossInputs& in, const LossConfig& c) {
@@ -87,10 +90,10 @@ LossOutput loss(const LossInputs& in, const LossConfig& c) {
   const auto mask = (in.mask > 0).to(torch::kFloat32);
   const auto prox = in.prox_logprobs.detach();
   const auto adv = in.advantages.detach();
-  auto ratio = (in.logprobs - prox).exp();
-  auto clipped = ratio.clamp(1 - c.epsilon, 1 + c.epsilon_high);
-  auto weight = (prox - in.behaviour_logprobs).exp().clamp_max(c.behaviour_cap).detach();
-  auto policy = -weight * torch::min(ratio * adv, clipped * adv);
+  auto terms = objective::compute(c.objective, {.logprobs = in.logprobs, .prox = prox, .advantages = adv, .mask = mask,
+                                                .epsilon = c.epsilon, .epsilon_high = c.epsilon_high});
+  auto weight = correction::weights(prox, in.behaviour_logprobs, mask, c.correction).weight;
+  auto policy = weight * terms.per_token;
 
   const auto returns = in.returns.detach(), old = in.old_values.detach();
   auto unclipped = (in.values - returns).pow(2);
@@ -115,7 +118,7 @@ LossOutput loss(const LossInputs& in, const LossConfig& c) {
   const auto counted = mask > 0;
   out.tokens = counted.sum().item<int64_t>();
   if (out.tokens > 0) {
-    out.clip_fraction = (ratio.detach() != clipped.detach()).logical_and(counted).sum().item<double>() / out.tokens;
+    out.clip_fraction = terms.clipped.logical_and(counted).sum().item<double>() / out.tokens;
     out.value_clip_fraction = value_was_clipped.logical_and(counted).sum().item<double>() / out.tokens;
     out.behaviour_weight = (weight * mask).sum().item<double>() / out.tokens;
   }
@@ -272,6 +275,7 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
   if (groups.empty()) throw Error("ppo: step needs at least one rollout group");
   std::vector<Sequence> seqs;
   std::vector<float> scores, keep;
+  std::vector<double> lengths;
   bool with_reference = true;
   for (const auto& g : groups) {
     const int64_t G = g.size();
@@ -296,7 +300,8 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
                       g.reference_logprobs.empty() ? nullptr : &g.reference_logprobs[i]});
       scores.push_back(static_cast<float>(g.reward[i]));
       const bool truncated = i < static_cast<int64_t>(g.truncated.size()) && g.truncated[i];
-      keep.push_back(config_.mask_truncated_completions && truncated ? 0.f : 1.f);
+      keep.push_back(config_.overlong.mode == rl::OverlongMode::mask && truncated ? 0.f : 1.f);
+      lengths.push_back(static_cast<double>(n));
     }
   }
   if (config_.kl_coef > 0 && !with_reference)
@@ -325,7 +330,9 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
   // over columns that would cost a few kernel launches per column on a GPU.
   const auto mask_cpu = mask.cpu();
   const auto kl = with_reference ? (prox.cpu() - packed.reference) : torch::Tensor();
-  const auto rewards = ppo::token_rewards(torch::tensor(scores), mask_cpu, kl, config_.kl_coef);
+  // The overlong penalty (0 unless overlong: penalty) joins the score on the last token.
+  const auto shaped = torch::tensor(scores) + advantage::overlong_penalty(torch::tensor(lengths), config_.overlong).to(torch::kFloat32);
+  const auto rewards = ppo::token_rewards(shaped, mask_cpu, kl, config_.kl_coef);
   const auto g = ppo::gae(rewards, old_values.cpu(), mask_cpu, config_.gamma, config_.lambda);
   const auto advantages = (config_.whiten_advantages ? ppo::whiten(g.advantages, mask_cpu) : g.advantages).to(device);
   const auto returns = g.returns.to(device);
@@ -342,8 +349,8 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
   m.explained_variance = var_returns > 0 ? 1 - masked_var(g.returns - old_values.cpu(), mask_cpu) / var_returns : 0.0;
 
   const ppo::LossConfig loss_config{.epsilon = config_.epsilon, .epsilon_high = config_.epsilon_high,
-                                    .behaviour_cap = config_.behaviour_cap, .value_clip = config_.value_clip,
-                                    .vf_coef = config_.vf_coef};
+                                    .correction = config_.correction, .value_clip = config_.value_clip,
+                                    .vf_coef = config_.vf_coef, .objective = config_.objective};
   const double total = static_cast<double>(m.tokens);
   for (int64_t iter = 0; iter < config_.num_iterations; ++iter) {
     double loss = 0, policy_loss = 0, value_loss = 0, clip = 0, value_clip = 0, weight = 0;

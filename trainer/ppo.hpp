@@ -52,9 +52,10 @@ torch::Tensor whiten(const torch::Tensor& x, const torch::Tensor& mask, double e
 struct LossConfig {
   double epsilon = 0.2;        // lower clip of the policy ratio: ratio >= 1 - epsilon
   double epsilon_high = 0.2;   // upper clip: ratio <= 1 + epsilon_high
-  double behaviour_cap = 5.0;  // truncation of pi_prox / mu
+  rl::Correction correction;   // the behaviour weight pi_prox / mu (trainer/correction.hpp)
   double value_clip = 0.2;     // V stays within V_old +- value_clip in the clipped term; <= 0 disables
   double vf_coef = 0.1;        // weight of the value loss in the total
+  rl::Objective objective = rl::Objective::grpo;  // the policy term (trainer/objective.hpp); grpo: PPO's clip
 };
 
 // Token-aligned inputs, all [B, L].
@@ -75,7 +76,7 @@ struct LossOutput {
   double policy_loss = 0, value_loss = 0;
   double clip_fraction = 0;          // share of tokens whose policy ratio was clipped
   double value_clip_fraction = 0;    // share of tokens where the clipped value term was the larger
-  double behaviour_weight = 0;       // mean truncated pi_prox / mu
+  double behaviour_weight = 0;       // mean corrected pi_prox / mu
   int64_t tokens = 0;
 };
 
@@ -90,9 +91,10 @@ struct PpoConfig {
   double value_clip = 0.2;
   double vf_coef = 0.1;
   double epsilon = 0.2, epsilon_high = 0.2;
-  double behaviour_cap = 5.0;
+  rl::Correction correction;
+  rl::Objective objective = rl::Objective::grpo;
   bool whiten_advantages = true;            // over the batch's counted tokens
-  bool mask_truncated_completions = false;  // truncated completions contribute no loss
+  rl::Overlong overlong;                    // completions cut at max_tokens: masked, penalised or neither
   int64_t num_iterations = 1;  // optimizer passes (PPO epochs) over each batch, each one step
   int64_t micro_batch = 0;     // sequences per forward/backward; 0 = all at once
   int64_t logprob_chunk = 128; // sequence positions per LM-head chunk

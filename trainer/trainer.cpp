@@ -12,6 +12,8 @@
 #include <torch/torch.h>
 
 #include "kernels/logprobs.hpp"
+#include "trainer/advantage.hpp"
+#include "trainer/correction.hpp"
 #include "trainer/data_parallel.hpp"
 #include "policy/error.hpp"
 
@@ -344,9 +346,22 @@ double Trainer::finish_step() {
   return norm;
 }
 
-StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
-  if (groups.empty()) throw Error("trainer: grpo_step needs at least one rollout group");
-  const int64_t G = groups[0].size();
+namespace {
+// A batch of rollout groups as the GRPO step takes it: packed rows (one per completion, group
+// by group), rewards [N, G], and [B] flags for the rows sampled wholly at one policy version.
+struct RolloutBatch {
+  Packed packed;
+  torch::Tensor rewards;    // (N, G) float64, as the rewards gave them
+  torch::Tensor overlong_penalty;  // (N, G) float64, added to them for the advantages (0 unless overlong: penalty)
+  std::vector<int64_t> version;  // [B] the row's policy version when all its tokens share one, else -1
+  int64_t G = 0;
+};
+
+RolloutBatch rollout_batch(const std::vector<RolloutGroup>& groups, const rl::Overlong& overlong, bool with_reference) {
+  const bool mask_truncated = overlong.mode == rl::OverlongMode::mask;
+  RolloutBatch out;
+  out.G = groups[0].size();
+  const int64_t G = out.G;
   std::vector<std::pair<const std::vector<int32_t>*, const std::vector<int32_t>*>> seqs;
   std::vector<const std::vector<float>*> behaviour, reference;
   std::vector<double> rewards;
@@ -364,16 +379,68 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
       reference.push_back(g.reference_logprobs.empty() ? nullptr : &g.reference_logprobs[i]);
       rewards.push_back(g.reward[i]);
       bool truncated = i < static_cast<int64_t>(g.truncated.size()) && g.truncated[i];
-      keep.push_back(config_.mask_truncated_completions && truncated ? 0.f : 1.f);
+      keep.push_back(mask_truncated && truncated ? 0.f : 1.f);
+      const bool one_version = i < static_cast<int64_t>(g.min_version.size()) &&
+                               i < static_cast<int64_t>(g.max_version.size()) && g.min_version[i] == g.max_version[i];
+      out.version.push_back(one_version ? g.min_version[i] : -1);
     }
   }
-  if (config_.loss.beta > 0 && (reference.empty() || !reference[0]))
+  if (with_reference && (reference.empty() || !reference[0]))
     throw Error("trainer: beta > 0 but the rollouts carry no reference log-probs");
-  const int64_t B = seqs.size();
-  auto reward_t = torch::tensor(rewards, torch::kFloat64).view({-1, G});
-  auto adv = grpo::advantages(reward_t, config_.scale_rewards).view({B});
-  auto packed = pack(seqs, behaviour, config_.loss.beta > 0 ? reference : std::vector<const std::vector<float>*>{});
-  packed.loss_mask *= torch::tensor(keep).unsqueeze(1);
+  out.packed = pack(seqs, behaviour, with_reference ? reference : std::vector<const std::vector<float>*>{});
+  out.packed.loss_mask *= torch::tensor(keep).unsqueeze(1);
+  out.rewards = torch::tensor(rewards, torch::kFloat64).view({-1, G});
+  std::vector<double> lengths;
+  for (const auto& g : groups)
+    for (const auto& c : g.completion_ids) lengths.push_back(static_cast<double>(c.size()));
+  out.overlong_penalty = advantage::overlong_penalty(torch::tensor(lengths, torch::kFloat64).view({-1, G}), overlong);
+  return out;
+}
+
+// What a step reports about the behaviour weights, summed over micro-batches (and ranks).
+struct CorrectionSums {
+  double masked = 0, truncated = 0;  // tokens
+  double mismatch_k3 = 0, mismatch_tokens = 0;
+  torch::Tensor ratio;  // (B, T-1) float64, the raw pi_prox / mu of the rows this rank trained, 0 elsewhere
+
+  void add(const grpo::LossOutput& out, int64_t row, const torch::Tensor& prox, const torch::Tensor& behaviour,
+           const torch::Tensor& mask, const torch::Tensor& same_version) {
+    masked += out.masked_fraction * out.tokens;
+    truncated += out.truncated_fraction * out.tokens;
+    auto same = mask * same_version.to(mask.device()).unsqueeze(1);
+    mismatch_k3 += correction::k3_sum(prox, behaviour, same).item<double>();
+    mismatch_tokens += same.sum().item<double>();
+    ratio.narrow(0, row, out.ratio.size(0)).copy_(out.ratio.detach().to(torch::kCPU, torch::kFloat64) * mask.cpu());
+  }
+  CorrectionMetrics metrics(const torch::Tensor& loss_mask, double tokens) const {
+    CorrectionMetrics m;
+    m.masked_fraction = tokens > 0 ? masked / tokens : 0.0;
+    m.truncated_fraction = tokens > 0 ? truncated / tokens : 0.0;
+    m.mismatch_tokens = static_cast<int64_t>(mismatch_tokens);
+    m.mismatch_kl = mismatch_tokens > 0 ? mismatch_k3 / mismatch_tokens : 0.0;
+    auto values = ratio.masked_select(loss_mask > 0);
+    if (values.numel() > 0) {
+      auto q = torch::quantile(values, torch::tensor({0.0, 0.05, 0.5, 0.95, 1.0}, torch::kFloat64));
+      for (int i = 0; i < 5; ++i) m.ratio_quantiles[i] = q[i].item<double>();
+    }
+    return m;
+  }
+};
+}  // namespace
+
+StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
+  if (groups.empty()) throw Error("trainer: grpo_step needs at least one rollout group");
+  auto batch = rollout_batch(groups, config_.overlong, config_.loss.beta > 0);
+  const auto& packed = batch.packed;
+  const int64_t G = batch.G, B = packed.ids.size(0);
+  auto lengths = packed.loss_mask.sum(1).view({-1, G});
+  auto adv = advantage::compute(config_.advantage, {.rewards = batch.rewards + batch.overlong_penalty, .lengths = lengths,
+                                                    .scale = config_.scale_rewards}).view({B});
+  // Rows sampled wholly at the trainer's current version: their behaviour log-probs and the
+  // trainer's own are of the same weights, so any gap between them is numerical mismatch.
+  std::vector<float> same(B);
+  for (int64_t b = 0; b < B; ++b) same[b] = batch.version[b] == version_ ? 1.f : 0.f;
+  const auto same_version = torch::tensor(same);
   // The whole batch's counts and advantages; with data parallelism every rank was given the
   // whole batch and trains its share of the groups, rows [first, first + rows).
   const double total_tokens = packed.loss_mask.sum().item<double>();
@@ -408,7 +475,10 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
 
   StepMetrics m;
   m.sequences = B;
-  m.reward_mean = reward_t.mean().item<double>();
+  m.tokens = static_cast<int64_t>(total_tokens);
+  m.reward_mean = batch.rewards.mean().item<double>();
+  if (config_.overlong.mode == rl::OverlongMode::penalty) m.overlong_penalty = batch.overlong_penalty.mean().item<double>();
+  CorrectionSums corrections{.ratio = torch::zeros(packed.loss_mask.sizes(), torch::kFloat64)};
   for (int64_t iter = 0; iter < config_.num_iterations; ++iter) {
     if (dp_) dp_->begin_step();
     // zero3: as many passes as the rank with the most, so the layer collectives line up.
@@ -436,6 +506,10 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
       kl_sum += out.kl * out.tokens;
       clip_sum += out.clip_fraction * out.tokens;
       weight_sum += out.behaviour_weight * out.tokens;
+      // pi_prox and mu are fixed over the step's passes: the first pass reports them.
+      if (iter == 0)
+        corrections.add(out, first + s, in.prox_logprobs, in.behaviour_logprobs, in.mask,
+                        same_version.narrow(0, first + s, len));
     }
     if (dp_) {
       // Each rank's sums over its rows: their sum is the whole batch's.
@@ -447,11 +521,21 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
     m.lr = lr_at(version_);
     m.grad_norm = finish_step();
     m.loss = loss_sum;
-    m.tokens = static_cast<int64_t>(total_tokens);
     m.kl = total_tokens > 0 ? kl_sum / total_tokens : 0;
     m.clip_fraction = total_tokens > 0 ? clip_sum / total_tokens : 0;
     m.behaviour_weight = total_tokens > 0 ? weight_sum / total_tokens : 0;
   }
+  if (dp_) {
+    // Rows are each trained by one rank and are 0 elsewhere, so the sums are exact.
+    auto t = torch::tensor({corrections.masked, corrections.truncated, corrections.mismatch_k3, corrections.mismatch_tokens},
+                           torch::kFloat64);
+    dp_->all_reduce_sum(t);
+    dp_->all_reduce_sum(corrections.ratio);
+    auto v = t.accessor<double, 1>();
+    std::tie(corrections.masked, corrections.truncated, corrections.mismatch_k3, corrections.mismatch_tokens) =
+        std::tuple{v[0], v[1], v[2], v[3]};
+  }
+  m.correction = corrections.metrics(packed.loss_mask, total_tokens);
   return m;
 }
 

@@ -4,10 +4,12 @@
 // disk. The policy version counts optimizer steps.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -37,8 +39,9 @@ struct OptimizerConfig {
 struct TrainerConfig {
   OptimizerConfig optimizer;
   grpo::LossConfig loss;
-  grpo::ScaleRewards scale_rewards = grpo::ScaleRewards::group;
-  bool mask_truncated_completions = false;  // truncated completions contribute no loss
+  rl::Advantage advantage = rl::Advantage::group;          // how rewards become advantages
+  grpo::ScaleRewards scale_rewards = grpo::ScaleRewards::group;  // group advantages: by the group's std, the batch's, or not
+  rl::Overlong overlong;                    // completions cut at max_tokens: masked, penalised or neither
   int64_t num_iterations = 1;               // optimizer passes over each batch
   int64_t micro_batch = 0;                  // sequences per forward/backward; 0 = all at once
   int64_t logprob_chunk = 128;              // sequence positions per LM-head chunk
@@ -65,10 +68,23 @@ void save_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW
 int64_t load_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW& optimizer,
                              const std::vector<torch::Tensor>& params, const OptimizerConfig& config);
 
+// What a GRPO step reports about the behaviour weights pi_prox / mu (trainer.loss.correction)
+// over its counted tokens.
+struct CorrectionMetrics {
+  double masked_fraction = 0, truncated_fraction = 0;  // shares of tokens masked (weight 0) or capped
+  std::array<double, 5> ratio_quantiles{};             // the raw ratio's min, 5%, median, 95% and max
+  // The k3 KL between mu and pi_prox over the tokens of completions sampled wholly at the
+  // trainer's current version (the same weights): the train/rollout numerical mismatch alone.
+  double mismatch_kl = 0;
+  int64_t mismatch_tokens = 0;  // the tokens it is taken over; 0 when every completion was older
+};
+
 struct StepMetrics {
   double loss = 0, kl = 0, clip_fraction = 0, behaviour_weight = 0, grad_norm = 0, lr = 0;
   double reward_mean = 0;
   int64_t tokens = 0, sequences = 0;
+  std::optional<CorrectionMetrics> correction;  // grpo_step's; PPO reports none yet
+  std::optional<double> overlong_penalty;        // the mean penalty added to the rewards (overlong: penalty)
 };
 
 struct SftMetrics {

@@ -282,6 +282,55 @@ TEST_CASE("parallel: trainer ranks and sharding for the trainer-alone recipes, e
             .find("parallel.sharding: recipe ppo takes none, zero1 or zero2") != std::string::npos);
 }
 
+TEST_CASE("the RL objective, advantage and correction keys: read, written back, and bad values naming the key") {
+  auto c = parse_run_config(kBase, "configs/x.yaml",
+                            {"trainer.loss.objective=gspo", "trainer.advantage=rloo",
+                             "trainer.loss.correction={mode: sequence_mask, low: 0.5, high: 2}"});
+  CHECK(c.trainer.loss.objective == rl::Objective::gspo);
+  CHECK(c.trainer.advantage == rl::Advantage::rloo);
+  CHECK(c.trainer.loss.correction == rl::Correction{.mode = rl::CorrectionMode::sequence_mask, .low = 0.5, .high = 2});
+  CHECK(parse_run_config(to_yaml(c), "runs/x/config.yaml") == c);
+  // Defaults: GRPO's clipped ratio, group advantages, today's cap of 5 on pi_prox / mu.
+  auto d = parse_run_config(kBase, "configs/x.yaml");
+  CHECK(d.trainer.loss.objective == rl::Objective::grpo);
+  CHECK(d.trainer.loss.correction == rl::Correction{.mode = rl::CorrectionMode::token_truncate, .high = 5});
+
+  CHECK(error_of(kBase, {"trainer.loss.objective=gspoo"}) ==
+        "configs/x.yaml, override 'trainer.loss.objective=gspoo': trainer.loss.objective: expected one of grpo, gspo, "
+        "cispo, got \"gspoo\" (did you mean gspo?)");
+  CHECK(error_of(kBase, {"trainer.advantage=reinforce++"}) ==
+        "configs/x.yaml, override 'trainer.advantage=reinforce++': trainer.advantage: expected one of group, rloo, "
+        "reinforce_pp, reinforce_pp_baseline, got \"reinforce++\" (did you mean reinforce_pp?)");
+  CHECK(error_of(kBase, {"trainer.loss.correction={mode: token_mask, low: 0.9, high: 0.5}"}) ==
+        "configs/x.yaml, override 'trainer.loss.correction={mode: token_mask, low: 0.9, high: 0.5}': "
+        "trainer.loss.correction.high: must be >= 1 (a bound below 1 would down-weight or drop on-policy tokens), got 0.5");
+  CHECK(error_of(kBase, {"trainer.loss.correction={mode: token_mask, low: 3, high: 2}"}) ==
+        "configs/x.yaml, override 'trainer.loss.correction={mode: token_mask, low: 3, high: 2}': "
+        "trainer.loss.correction.low: must be in [0, 1] (a ratio of 1 is on-policy and always kept), got 3");
+  CHECK(error_of(kBase, {"trainer.loss.correction={mode: token_truncate, low: 0.5}"}) ==
+        "configs/x.yaml, override 'trainer.loss.correction={mode: token_truncate, low: 0.5}': "
+        "trainer.loss.correction.low: only used with mode token_mask or sequence_mask (the others only cap)");
+  CHECK(error_of(kBase, {"trainer.advantage=rloo", "trainer.scale_rewards=batch"}) ==
+        "configs/x.yaml, override 'trainer.scale_rewards=batch': trainer.scale_rewards: only used with advantage: group");
+  CHECK(error_of(kBase, {"recipe=ppo", "trainer.advantage=reinforce_pp"}) ==
+        "configs/x.yaml, override 'trainer.advantage=reinforce_pp': trainer.advantage: recipe ppo takes no advantage "
+        "estimator (ppo's advantages are GAE's)");
+  auto o = parse_run_config(kBase, "configs/x.yaml", {"trainer.overlong={mode: penalty, buffer: 2, factor: 0.5}"});
+  CHECK(o.trainer.overlong == rl::Overlong{.mode = rl::OverlongMode::penalty, .buffer = 2, .factor = 0.5});
+  CHECK(parse_run_config(to_yaml(o), "runs/x/config.yaml") == o);
+  CHECK(error_of(kBase, {"trainer.overlong={mode: penalty}"}) ==
+        "configs/x.yaml, override 'trainer.overlong={mode: penalty}': trainer.overlong.buffer: required: the tokens "
+        "before max_tokens over which the penalty ramps up");
+  CHECK(error_of(kBase, {"trainer.overlong={mode: mask, buffer: 4}"}) ==
+        "configs/x.yaml, override 'trainer.overlong={mode: mask, buffer: 4}': trainer.overlong.buffer: only used with "
+        "mode: penalty");
+  CHECK(error_of(kBase, {"trainer.overlong={mode: penalty, buffer: 4096}"}).ends_with(
+        "trainer.overlong.buffer: must be <= generator.max_tokens = 256, got 4096"));
+  CHECK(error_of(kBase, {"recipe=online_dpo", "trainer.loss.beta=0.1", "trainer.loss.objective=cispo"}) ==
+        "configs/x.yaml, override 'trainer.loss.objective=cispo': trainer.loss.objective: recipe online_dpo has no "
+        "policy-gradient objective");
+}
+
 TEST_CASE("malformed YAML is a troupe::Error with file and line") {
   CHECK(error_of(with_line(8, "  temperature: [0.9")).starts_with("configs/x.yaml:"));
   std::string e = error_of(with_line(5, "  train: {path: data/train.jsonl"));

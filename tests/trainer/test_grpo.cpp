@@ -9,6 +9,7 @@
 
 #include "generator/engine.hpp"
 #include "policy/checkpoint.hpp"
+#include "trainer/advantage.hpp"
 #include "trainer/trainer.hpp"
 #include "tests/test_util.hpp"
 
@@ -16,14 +17,18 @@ using namespace troupe;
 
 TEST_CASE("group advantages: centred, scaled by group, batch or not at all") {
   auto r = torch::tensor({1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0}).view({2, 4});
-  auto g = grpo::advantages(r, grpo::ScaleRewards::group, 0.0);
+  const auto lengths = torch::ones_like(r);
+  auto group = [&](rl::ScaleRewards scale, double eps) {
+    return advantage::compute(rl::Advantage::group, {.rewards = r, .lengths = lengths, .scale = scale, .eps = eps});
+  };
+  auto g = group(grpo::ScaleRewards::group, 0.0);
   const double s = std::sqrt(1.0 / 3.0);  // unbiased std of {1, 0, 0, 1}
   CHECK(g[0][0].item<double>() == doctest::Approx(0.5 / s));
   CHECK(g[0][1].item<double>() == doctest::Approx(-0.5 / s));
   CHECK(g[1].abs().max().item<double>() == 0.0);  // equal rewards: no signal
-  auto none = grpo::advantages(r, grpo::ScaleRewards::none);
+  auto none = group(grpo::ScaleRewards::none, 1e-4);
   CHECK(none[0][0].item<double>() == doctest::Approx(0.5));
-  auto batch = grpo::advantages(r, grpo::ScaleRewards::batch, 0.0);
+  auto batch = group(grpo::ScaleRewards::batch, 0.0);
   CHECK(batch[0][0].item<double>() == doctest::Approx(0.5 / r.std().item<double>()));
 }
 
@@ -39,7 +44,7 @@ TEST_CASE("the GRPO loss equals the formula computed token by token") {
   mask[1][4] = 0;
   mask[2][3] = 0;
   mask[2][4] = 0;
-  grpo::LossConfig config{.epsilon = 0.2, .epsilon_high = 0.28, .beta = 0.05, .behaviour_cap = 2.0,
+  grpo::LossConfig config{.epsilon = 0.2, .epsilon_high = 0.28, .beta = 0.05, .correction = {.high = 2.0},
                           .max_completion_length = 8};
 
   // The formula, one token at a time in doubles.

@@ -139,7 +139,7 @@ TEST_CASE("the PPO loss equals the formula computed token by token") {
   mask[1][4] = 0;
   mask[2][3] = 0;
   mask[2][4] = 0;
-  const ppo::LossConfig config{.epsilon = 0.2, .epsilon_high = 0.28, .behaviour_cap = 2.0, .value_clip = 0.2,
+  const ppo::LossConfig config{.epsilon = 0.2, .epsilon_high = 0.28, .correction = {.high = 2.0}, .value_clip = 0.2,
                                .vf_coef = 0.3};
 
   double policy = 0, value = 0, tokens = 0, clipped = 0, value_clipped = 0;

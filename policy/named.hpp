@@ -1,0 +1,27 @@
+// An enum's names as written in YAML and in messages, one table per enum found by
+// names_of(value): the run config reads, checks and writes enums from these tables alone, and
+// the layers below it declare their own tables next to their enums. No behaviour beyond that.
+#pragma once
+
+#include <span>
+#include <string_view>
+
+namespace troupe {
+
+template <class E>
+struct Named {
+  std::string_view name;
+  E value;
+};
+
+template <class E>
+concept ConfigEnum = requires(E e) { names_of(e); };
+
+template <ConfigEnum E>
+constexpr std::string_view to_string(E v) {
+  for (const auto& n : names_of(v))
+    if (n.value == v) return n.name;
+  return "?";
+}
+
+}  // namespace troupe
