@@ -24,8 +24,9 @@ configure: $(BUILD)/CMakeCache.txt
 build: setup configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
+# Two tests at a time, one per core (tests/CMakeLists.txt says which run alone).
 test: build
-	@cd $(BUILD) && ctest --output-on-failure -j 1
+	@cd $(BUILD) && ctest --output-on-failure -j 2
 
 # A short async GRPO run of SmolLM2-135M-Instruct on GSM8K, reward printed per step.
 demo: build

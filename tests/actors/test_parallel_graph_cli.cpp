@@ -2,7 +2,8 @@
 // trains its share of each batch, the other ranks follow it over c10d (Gloo on CPU). On the same
 // rollouts, grpo at 2 ranks (none, zero3, and with LoRA) and at 4 (zero3), online_dpo (zero1)
 // and ppo (zero2) at 2, torchrun's job, and a 2-rank job killed mid-way and resumed at 3 ranks
-// end where one trainer ends (to 1e-5). Tiny model, deterministic runs, one thread per rank.
+// end where one trainer ends (weights to kWeights, metrics to 1e-5). Tiny model, deterministic
+// runs, one thread per rank.
 #include <doctest/doctest.h>
 
 #include <signal.h>
@@ -23,6 +24,13 @@ using namespace troupe;
 using namespace troupe::test;
 
 namespace {
+
+// float32 weights after a dozen AdamW steps at lr 1e-3. Adam divides each gradient by the root of
+// its running square, so where a gradient is near zero, rounding in another order (a rank's
+// rows against the whole batch's) moves that weight by up to lr x its share of steps: measured
+// 1.1e-6 (ppo 2.8e-6) on an AVX2 machine, 1.3e-5 (ppo 1.6e-5) on an AVX-512 one with AMX.
+// In float64 the ranks follow one trainer to 1e-10 (test_parallel_cli): the gap is rounding.
+constexpr double kWeights = 5e-5;
 
 fs::path run_dir(const std::string& name) { return fixtures() / ("parallel_graph_" + name); }
 
@@ -98,7 +106,7 @@ TEST_CASE("grpo at 2 ranks (none, zero3) and at 4 (zero3) ends where one trainer
            "parallel.trainer_ranks=" + std::to_string(ranks) + " parallel.sharding=" + mode + extra);
     auto d = compare("grpo_1", name, steps, kGrpoKeys);
     MESSAGE("grpo at " << ranks << " ranks, " << mode << ": max |weight diff| " << d.weights << ", max |metric diff| " << d.metrics);
-    CHECK(d.weights < 1e-5);
+    CHECK(d.weights < kWeights);
     CHECK(d.metrics < 1e-5);
   }
   // The same graph under torchrun's agent (RANK, WORLD_SIZE, its own store): rank 0 runs it.
@@ -153,7 +161,7 @@ TEST_CASE("grpo at 2 ranks (none, zero3) and at 4 (zero3) ends where one trainer
   const auto d = compare("grpo_1", "killed", steps, kGrpoKeys);
   MESSAGE("killed after " << killed_after << " steps, resumed at 3 ranks (zero3): max |weight diff| " << d.weights
                           << ", max |metric diff| " << d.metrics);
-  CHECK(d.weights < 1e-5);
+  CHECK(d.weights < kWeights);
   CHECK(d.metrics < 1e-5);
 }
 
@@ -168,7 +176,7 @@ TEST_CASE("grpo with LoRA at 2 ranks (zero3): only the adapters are reduced and 
   MESSAGE("grpo with LoRA at 2 ranks, zero3: max |adapter diff| " << a << ", merged weights " << d.weights
                                                                   << ", max |metric diff| " << d.metrics);
   CHECK(a < 1e-5);
-  CHECK(d.weights < 1e-5);
+  CHECK(d.weights < kWeights);
   CHECK(d.metrics < 1e-5);
 }
 
@@ -177,7 +185,7 @@ TEST_CASE("online_dpo at 2 ranks (zero1) ends where one trainer ends: each rank 
   auto d = against_one_trainer("tiny_arithmetic_online_dpo", steps, "odpo", "", "parallel.trainer_ranks=2 parallel.sharding=zero1",
                                {"loss", "grad_norm", "rewards/margins", "rewards/accuracies"});
   MESSAGE("online_dpo at 2 ranks, zero1: max |weight diff| " << d.weights << ", max |metric diff| " << d.metrics);
-  CHECK(d.weights < 1e-5);
+  CHECK(d.weights < kWeights);
   CHECK(d.metrics < 1e-5);
   CHECK(metrics(run_dir("odpo_1")).back()["pairs"] == metrics(run_dir("odpo_2")).back()["pairs"]);
 }
@@ -191,7 +199,7 @@ TEST_CASE("ppo at 2 ranks (zero2), value head included, ends where one trainer e
   };
   const double h = max_diff(head("ppo_1"), head("ppo_2"));
   MESSAGE("ppo at 2 ranks, zero2: max |weight diff| " << d.weights << ", value head " << h << ", max |metric diff| " << d.metrics);
-  CHECK(d.weights < 1e-5);
+  CHECK(d.weights < kWeights);
   CHECK(h < 1e-5);
   CHECK(d.metrics < 1e-5);
 }

@@ -740,7 +740,10 @@ TEST_CASE("llama-cpp-python's server on the SmolLM2 GGUF answers our greedy requ
                   python() << " cannot import llama_cpp.server: run scripts/setup.sh (scripts/requirements.txt pins it)");
   const int port = unused_port();
   ChildProcess child({python().string(), "-m", "llama_cpp.server", "--model", gguf.string(), "--host", "127.0.0.1",
-                      "--port", std::to_string(port), "--n_ctx", "1024", "--n_threads", "2", "--seed", "0"},
+                      "--port", std::to_string(port), "--n_ctx", "1024", "--n_threads", "2", "--seed", "0",
+                      // One token per compute batch: llama-cpp-python 0.3.36 built for a CPU with AMX dies
+                      // (general protection fault in libggml-cpu) on a prompt of more than one token.
+                      "--n_ubatch", "1"},
                      temp_dir("llama_cpp") / "server.log");
   auto tok = Tokenizer::load(gguf);
 

@@ -237,7 +237,7 @@ TEST_CASE("dpo_step: log 2 at the start, and micro-batches accumulate to the who
   CHECK(std::abs(a.reward_chosen) < 1e-6);
   CHECK(a.accuracy == 0.0);
   CHECK(a.pairs == 4);
-  CHECK(b.loss == doctest::Approx(a.loss).epsilon(1e-9));
+  CHECK(b.loss == doctest::Approx(a.loss).epsilon(1e-6));  // float32 sums in another order (bitwise with 2 threads, not with 1)
   MESSAGE("max |grad diff| of 3-pair micro-batches vs one batch of 4: " << max_diff(whole, parts));
   CHECK(max_diff(whole, parts) <= 1e-6);
 
