@@ -153,6 +153,7 @@ void validate_paths(const RunConfig& c) {
   };
   need("model.path", c.model.path, true);
   if (c.reference.enabled) need("reference.path", c.reference.path, true);
+  if (c.teacher) need("teacher.path", c.teacher->path, true);
   need("data.train.path", c.data.train.path, false);
   if (c.data.eval) need("data.eval.path", c.data.eval->path, false);
   if (c.trainer.sft_warmup) need("trainer.sft_warmup.path", c.trainer.sft_warmup->path, false);

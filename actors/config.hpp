@@ -25,7 +25,7 @@ struct RewardSpec;  // reward/registry.hpp; to_reward_specs() converts to it
 
 // grpo and ppo run the actor graph; sft, lora (sft with LoRA adapters) and dpo run the trainer
 // alone. Every recipe reads the same sections; each uses the keys it needs.
-enum class Recipe { grpo, sft, lora, dpo, ppo, online_dpo, reinforce };
+enum class Recipe { grpo, sft, lora, dpo, ppo, online_dpo, reinforce, distill };
 enum class ModelDtype { automatic, float32, bfloat16, float64 };  // automatic: "auto", resolved per machine at run time
 enum class EngineKind { builtin, remote };
 using RewardScaling = rl::ScaleRewards;
@@ -38,7 +38,7 @@ enum class PrefetchMode { automatic, always, never };  // automatic: "auto"
 // RL loss's own.
 inline constexpr Named<Recipe> kRecipes[] = {{"grpo", Recipe::grpo}, {"sft", Recipe::sft}, {"lora", Recipe::lora},
                                              {"dpo", Recipe::dpo}, {"ppo", Recipe::ppo}, {"online_dpo", Recipe::online_dpo},
-                                             {"reinforce", Recipe::reinforce}};
+                                             {"reinforce", Recipe::reinforce}, {"distill", Recipe::distill}};
 inline constexpr Named<ModelDtype> kModelDtypes[] = {{"auto", ModelDtype::automatic}, {"float32", ModelDtype::float32},
                                                      {"bfloat16", ModelDtype::bfloat16}, {"float64", ModelDtype::float64}};
 inline constexpr Named<EngineKind> kEngineKinds[] = {{"builtin", EngineKind::builtin}, {"remote", EngineKind::remote}};
@@ -126,6 +126,13 @@ struct RewardSection {
   double backoff_s = 0.5;             // http: first retry waits this long, then doubling
   int64_t max_batch = 0;              // http: samples per request (0: one request per batch)
   bool operator==(const RewardSection&) const = default;
+};
+
+// On-policy distillation: the teacher scores the student's own rollouts token by token, in the
+// reference actor (recipe distill, or trainer.loss.distill > 0 under grpo and reinforce).
+struct TeacherSection {
+  std::string path;  // required: a Hugging Face folder or a .gguf file, with the student's tokenizer
+  bool operator==(const TeacherSection&) const = default;
 };
 
 struct ReferenceSection {
@@ -257,6 +264,7 @@ struct RunConfig {
   GeneratorSection generator;
   std::vector<RewardSection> rewards;  // at least one for grpo and ppo
   ReferenceSection reference;
+  std::optional<TeacherSection> teacher;  // recipe distill, or trainer.loss.distill > 0
   TrainerSection trainer;
   AsyncSection async;
   ParallelSection parallel;

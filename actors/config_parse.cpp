@@ -115,6 +115,10 @@ void read_loss(Map m, LossSection& c, Recipe recipe) {
     const std::string none = "recipe " + std::string(to_string(recipe)) + " has no policy-gradient objective";
     m.check(c.objective == rl::Objective::grpo, "objective", none);
     m.check(c.correction == rl::Correction{}, "correction", none);
+  } else if (recipe == Recipe::distill) {
+    // distill: the teacher's term is the objective; 1 unless given.
+    if (!m.has("distill")) c.distill = 1.0;
+    m.check(c.distill > 0, "distill", "must be > 0 for recipe distill" + got(c.distill));
   } else if (recipe == Recipe::ppo) {
     m.check(!m.has("kind") || c.kind == LossKind::ppo, "kind", "recipe ppo takes kind: ppo");
     c.kind = LossKind::ppo;
@@ -133,7 +137,9 @@ void read_overlong(Map m, rl::Overlong& c, int64_t max_tokens) {
 void read_trainer(Map m, TrainerSection& c, Recipe recipe, int64_t max_tokens) {
   read_table(m, c, {"loss", "sft_warmup", "overlong"});
   if (m.given("overlong")) read_overlong(m.map("overlong"), c.overlong, max_tokens);
-  m.check(c.advantage == rl::Advantage::group || recipe == Recipe::grpo || recipe == Recipe::reinforce, "advantage",
+  m.check(c.advantage == rl::Advantage::group || recipe == Recipe::grpo || recipe == Recipe::reinforce ||
+              recipe == Recipe::distill,
+          "advantage",
           "recipe " + std::string(to_string(recipe)) + " takes no advantage estimator" +
               (recipe == Recipe::ppo ? " (ppo's advantages are GAE's)" : ""));
   read_loss(m.map("loss"), c.loss, recipe);
@@ -161,7 +167,23 @@ void read_reference(Map m, RunConfig& c) {
           "must be true when trainer.loss.beta > 0 (the KL term needs reference log-probs); set beta: 0 or enabled: true");
 }
 
-bool is_graph(Recipe r) { return r == Recipe::grpo || r == Recipe::ppo || r == Recipe::online_dpo || r == Recipe::reinforce; }
+bool is_graph(Recipe r) {
+  return r == Recipe::grpo || r == Recipe::ppo || r == Recipe::online_dpo || r == Recipe::reinforce || r == Recipe::distill;
+}
+
+// The teacher sits in the reference actor: it is given exactly when something reads it, and then
+// no KL to another reference is asked for.
+void check_teacher(Map& top, const RunConfig& c) {
+  const bool wanted = c.trainer.loss.distill > 0;
+  if (!c.teacher && wanted)
+    top.fail("teacher", "required: {path: ...} for " + std::string(c.recipe == Recipe::distill ? "recipe distill"
+                                                                                             : "trainer.loss.distill > 0"));
+  if (c.teacher && !wanted)
+    top.fail("teacher", "only used by recipe distill or trainer.loss.distill > 0");
+  if (c.teacher && c.trainer.loss.beta > 0)
+    top.fail("teacher", "needs trainer.loss.beta = 0 (the reference actor holds the teacher, so there is no other "
+                        "reference to take a KL to), got " + short_num(c.trainer.loss.beta));
+}
 
 // Where processes go: trainer ranks for the trainer-alone recipes, worker processes for the graph.
 void check_placement(Map& top, RunConfig& c) {
@@ -209,6 +231,7 @@ void check_across(Map& top, RunConfig& c, bool data_seeded) {
     top.map("generator").check(c.generator.group_size >= 2, "group_size",
                                "must be >= 2 for recipe online_dpo (a pair per prompt)" + got(c.generator.group_size));
   check_placement(top, c);
+  check_teacher(top, c);
   if (graph && c.rewards.empty())
     top.fail("rewards", "required: at least one reward for recipe " + std::string(to_string(c.recipe)) +
                             " (e.g. - {name: correct, kind: math_answer})");
@@ -221,8 +244,8 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
     throw Error(s.file + ": empty config (expected recipe, model, data, generator, rewards, trainer, async, run)");
   Map top(s, "", root, root.Mark());
   RunConfig c;
-  read_table(top, c, {"model", "lora", "data", "generator", "rewards", "reference", "trainer", "async", "parallel",
-                      "cluster", "run"});
+  read_table(top, c, {"model", "lora", "data", "generator", "rewards", "reference", "teacher", "trainer", "async",
+                      "parallel", "cluster", "run"});
   read_table(top.map("model"), c.model);
   if (top.given("lora") || c.recipe == Recipe::lora) read_lora(top.map("lora"), c.lora.emplace());
   const bool data_seeded = read_data(top.map("data"), c.data);
@@ -235,6 +258,7 @@ RunConfig parse_root(const Source& s, const YAML::Node& root, const std::string&
   c.run.dir = "runs/" + stem;
   read_table(top.map("run"), c.run);
   read_reference(top.map("reference"), c);
+  if (top.given("teacher")) read_table(top.map("teacher"), c.teacher.emplace());
   check_across(top, c, data_seeded);
   return c;
 }

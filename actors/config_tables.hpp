@@ -95,6 +95,10 @@ void fields(auto& v, Of<RewardSection> auto& c) {
   v("max_batch", c.max_batch, at_least(0, "0: one request per batch"));
 }
 
+void fields(auto& v, Of<TeacherSection> auto& c) {
+  v("path", c.path, Required{"the teacher: a Hugging Face folder or a .gguf file with the student's tokenizer"}, not_empty());
+}
+
 // Read over defaults set from trainer.loss.beta and model.path.
 void fields(auto& v, Of<ReferenceSection> auto& c) {
   v("enabled", c.enabled);
@@ -127,6 +131,7 @@ void fields(auto& v, Of<LossSection> auto& c) {
   v("objective", c.objective);
   v("aggregation", c.aggregation);
   v("beta", c.beta, at_least(0, "0: no KL, no reference"));
+  v("distill", c.distill, at_least(0, "0: no teacher term"));
   v("label_smoothing", c.label_smoothing, within("[0, 0.5)", [](double x) { return x >= 0 && x < 0.5; }));
   v("gamma", c.gamma, within("(0, 1]", [](double x) { return x > 0 && x <= 1; }));
   v("lambda", c.lambda, within("[0, 1]", [](double x) { return x >= 0 && x <= 1; }));

@@ -49,6 +49,7 @@ std::string to_yaml(const RunConfig& c) {
   top.line("rewards", c.rewards.empty() ? "[]" : "");
   for (const auto& r : c.rewards) write_item(out, r);
   write_table(out, 0, "reference", c.reference);
+  if (c.teacher) write_table(out, 0, "teacher", *c.teacher);
   write_table(out, 0, "trainer", c.trainer);
   write_loss(out, c.trainer.loss);
   write_table(out, 2, "overlong", c.trainer.overlong);

@@ -206,15 +206,17 @@ rollout_sink add_stage(Self self, const std::string& name, nlohmann::json built,
 rollout_sink spawn_reference_stage(Self self, rollout_sink next) {
   auto& st = self->state;
   const GraphSpec& spec = *st.spec;
+  const auto& make = spec.make_reference ? spec.make_reference : spec.make_policy;
   if (spec.reference_processes == 0)
-    return spawn_reference(self->system(), spec.make_policy(), spec.trainer_threads, spec.trainer.logprob_chunk, next);
-  auto weights = merged_state_dict(*spec.make_policy());
+    return spawn_reference(self->system(), make(), spec.trainer_threads, spec.trainer.logprob_chunk, next);
+  auto weights = merged_state_dict(*make());
   int64_t bytes = 0;
   for (const auto& [name, t] : weights) bytes += t.numel() * t.element_size();
   st.reference_weights = std::make_unique<WeightStore>(spec.run_dir.empty() ? std::filesystem::path() : spec.run_dir / "weights",
                                                        bytes, spec.listen_address().first);
   const auto written = st.reference_weights->write(weights, 0);
-  ReferenceStageSpec r{spec.model_source.string(), written.path, written.url, written.host, spec.generator_dtype,
+  const auto& source = spec.make_reference ? spec.reference_source : spec.model_source;
+  ReferenceStageSpec r{source.string(), written.path, written.url, written.host, spec.generator_dtype,
                        spec.generator_device, spec.trainer_threads, spec.trainer.logprob_chunk};
   return add_stage(self, "reference", to_json(r), std::move(next));
 }

@@ -48,6 +48,10 @@ struct GraphSpec {
   // load model_source's architecture (in generator_dtype on generator_device) and then take the
   // trainer's weights, version 0 included, before any prompt.
   std::function<Transformer()> make_policy;
+  // The reference actor's model where it is not the starting policy: reference.path, or the
+  // teacher (distillation); reference_source is its folder or file, for reference workers.
+  std::function<Transformer()> make_reference;
+  std::filesystem::path reference_source;
   std::optional<Tokenizer> tokenizer;  // decodes completions for rewards
   std::filesystem::path tokenizer_path;  // the same tokenizer for generators (stop strings); empty: none
   std::string generator_dtype = "float32";
@@ -112,7 +116,7 @@ struct GraphSpec {
 
   int64_t max_staleness = 1;  // eta: a group made by version v trains at t only if t - v <= eta
   int64_t sync_every = 1;     // weights go to the generators after every k-th step
-  bool reference = false;     // spawn a reference actor (needed when trainer.loss.beta > 0)
+  bool reference = false;     // spawn a reference actor (trainer.loss.beta > 0, online_dpo, a teacher)
 
   std::filesystem::path run_dir;       // metrics.jsonl and checkpoints; empty: write nothing
   std::filesystem::path model_source;  // copied tokenizer files come from here on checkpoint

@@ -140,13 +140,39 @@ void set_schedule(GraphSpec& spec, const RunConfig& c) {
   spec.steps = c.trainer.steps;
   spec.max_staleness = c.async.max_staleness;
   spec.sync_every = c.async.sync_every;
-  spec.reference = c.reference.enabled || c.trainer.loss.beta > 0;
+  spec.reference = c.reference.enabled || c.trainer.loss.beta > 0 || c.teacher.has_value();
   spec.run_dir = c.run.dir;
   spec.model_source = c.model.path;
   spec.checkpoint_every = c.run.checkpoint_every;
   spec.deterministic = c.run.deterministic;
   spec.recipe = std::string(to_string(c.recipe));
   set_generation(spec, c);
+}
+
+// The reference actor's model when it is not the starting policy: the teacher, whose tokenizer
+// must be the student's (token ids are compared one for one), or another reference.path.
+void set_reference(GraphSpec& spec, const RunConfig& c, const Tokenizer& student, const LoadOptions& load) {
+  std::string key = "teacher.path", path;
+  if (c.teacher) {
+    path = c.teacher->path;
+    auto teacher = Tokenizer::load(path);
+    std::string why;
+    if (teacher.vocab_size() != student.vocab_size())
+      why = "a vocabulary of " + std::to_string(teacher.vocab_size()) + " tokens, the student's " +
+            std::to_string(student.vocab_size());
+    for (int32_t id = 0; why.empty() && id < student.vocab_size(); ++id)
+      if (teacher.token(id) != student.token(id))
+        why = "token " + std::to_string(id) + " is \"" + teacher.token(id) + "\" there and \"" + student.token(id) + "\" in the student's";
+    if (!why.empty())
+      throw Error(c.origin.at(key) + ": " + key + ": " + path + " has another tokenizer than model.path (" + why +
+                  "): the teacher scores the student's token ids, so both need the same vocabulary");
+  } else if (c.reference.enabled && c.reference.path != c.model.path) {
+    path = c.reference.path;
+  } else {
+    return;
+  }
+  spec.reference_source = path;
+  spec.make_reference = [path, load] { return load_model(path, load).model; };
 }
 
 // The graph from the config: the starting policy (also on resume: the reference and LoRA's base
@@ -156,9 +182,10 @@ GraphSpec graph_spec(const RunConfig& c, const Tokenizer& tokenizer, std::shared
   GraphSpec spec;
   spec.reward = std::make_shared<CombinedReward>(make_combined_reward(to_reward_specs(c)));  // plugins load here
   spec.model_config = load_model(c.model.path, {.tokenizer = false}).config;
+  const LoadOptions load{.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device), .tokenizer = false};
+  set_reference(spec, c, tokenizer, load);  // first: a teacher with another tokenizer fails before any training
   std::optional<std::map<std::string, torch::Tensor>> start;
   if (c.trainer.sft_warmup) start = sft_warmup(c, tokenizer);
-  const LoadOptions load{.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device), .tokenizer = false};
   spec.make_policy = [path = c.model.path, load, start] {
     auto m = load_model(path, load);
     if (start) load_weights(*m.model, *start, "sft warmup");
@@ -189,6 +216,7 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
     case Recipe::ppo:
     case Recipe::online_dpo:
     case Recipe::reinforce:
+    case Recipe::distill:
     case Recipe::grpo: break;
   }
   // First: a wrong checkpoint fails before any loading.

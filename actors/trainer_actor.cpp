@@ -79,6 +79,7 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
     j["grad_norm"] = m->grad_norm;
     j["lr"] = m->lr;
     if (m->overlong_penalty) j["overlong/penalty_mean"] = *m->overlong_penalty;  // added to the rewards for the advantages
+    if (m->teacher_kl) j["distill/reverse_kl"] = *m->teacher_kl;                // the student's tokens under the teacher
     if (const auto& c = m->correction) {
       j["correction/masked_fraction"] = c->masked_fraction;
       j["correction/truncated_fraction"] = c->truncated_fraction;

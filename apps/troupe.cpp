@@ -148,7 +148,7 @@ struct RecipeLine {
   Recipe recipe;
   const char* what;
 };
-constexpr std::array<RecipeLine, 7> kRecipeLines = {{
+constexpr std::array<RecipeLine, 8> kRecipeLines = {{
     {Recipe::grpo, "async GRPO: generators sample G completions per prompt, rewards score them, the policy learns "
                    "from group-relative advantages (actor graph)"},
     {Recipe::ppo, "PPO: GRPO's graph with a value head on the policy's trunk and GAE over KL-shaped rewards "
@@ -157,6 +157,8 @@ constexpr std::array<RecipeLine, 7> kRecipeLines = {{
                          "prompt's best and worst form a DPO pair against the frozen start (actor graph)"},
     {Recipe::reinforce, "REINFORCE with a mean baseline: the plain policy gradient on reward minus the group's "
                         "mean, no clipping (actor graph; the smallest recipe, actors/recipes/reinforce.cpp)"},
+    {Recipe::distill, "on-policy distillation: the student samples, a teacher model scores its tokens, and the "
+                      "teacher's per-token reverse KL is the advantage (actor graph)"},
     {Recipe::sft, "supervised fine-tuning of all weights on prompt/response or chat JSONL, loss on the responses "
                   "(trainer alone)"},
     {Recipe::lora, "sft with LoRA adapters on the chosen projections, base weights frozen; checkpoints carry the "

@@ -72,6 +72,7 @@ torch::Tensor compute(rl::Advantage which, const Inputs& in) {
     case rl::Advantage::rloo: return rloo(in);
     case rl::Advantage::reinforce_pp: return reinforce_pp(in);
     case rl::Advantage::reinforce_pp_baseline: return reinforce_pp_baseline(in);
+    case rl::Advantage::none: return torch::zeros_like(in.rewards, torch::kFloat64);
   }
   TORCH_CHECK(false, "advantages: unknown estimator");
 }

@@ -23,11 +23,13 @@ LossOutput loss(const LossInputs& in, const LossConfig& c) {
                   in.behaviour_logprobs.sizes() == in.mask.sizes(),
               "grpo loss: logprobs ", in.logprobs.sizes(), ", prox ", in.prox_logprobs.sizes(), ", behaviour ",
               in.behaviour_logprobs.sizes(), " and mask ", in.mask.sizes(), " must all be [B, L]");
-  TORCH_CHECK(in.advantages.dim() == 1 && in.advantages.size(0) == in.mask.size(0), "grpo loss: advantages ",
-              in.advantages.sizes(), " must be [B] with B = ", in.mask.size(0));
+  TORCH_CHECK((in.advantages.dim() == 1 && in.advantages.size(0) == in.mask.size(0)) ||
+                  in.advantages.sizes() == in.mask.sizes(),
+              "grpo loss: advantages ", in.advantages.sizes(), " must be [B] or [B, L] with [B, L] = ", in.mask.sizes());
   const auto mask = in.mask.to(torch::kFloat32);
   const auto prox = in.prox_logprobs.detach();
-  const auto adv = in.advantages.to(in.logprobs.scalar_type()).unsqueeze(1);  // (B, 1)
+  auto adv = in.advantages.to(in.logprobs.scalar_type());
+  if (adv.dim() == 1) adv = adv.unsqueeze(1);  // (B, 1), or (B, L) per token
   auto terms = objective::compute(c.objective, {.logprobs = in.logprobs, .prox = prox, .advantages = adv, .mask = mask,
                                                 .epsilon = c.epsilon, .epsilon_high = c.epsilon_high});
   auto w = correction::weights(prox, in.behaviour_logprobs, mask, c.correction);

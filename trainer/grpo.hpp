@@ -20,7 +20,7 @@ struct LossInputs {
   torch::Tensor prox_logprobs;   // log pi_prox: the weights at the start of this step (no gradient)
   torch::Tensor behaviour_logprobs;  // log mu: recorded by the generator
   torch::Tensor ref_logprobs;    // log pi_ref; undefined when beta == 0
-  torch::Tensor advantages;      // [B] one per sequence
+  torch::Tensor advantages;      // [B] one per sequence, or [B, L] per token (distillation)
   torch::Tensor mask;            // [B, L] 1 where the token counts
 };
 

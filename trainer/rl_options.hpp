@@ -17,7 +17,8 @@ enum class Objective { grpo, gspo, cispo };
 // sequences; dr_grpo: sum / (sequences x max_completion_length); dapo: mean over all tokens.
 enum class Aggregation { grpo, dr_grpo, dapo };
 // How rewards become per-completion advantages (trainer/advantage.hpp).
-enum class Advantage { group, rloo, reinforce_pp, reinforce_pp_baseline };
+// none: no reward term (distillation alone; rewards are then only reported).
+enum class Advantage { group, rloo, reinforce_pp, reinforce_pp_baseline, none };
 // group advantages: divide by the group's std, the whole batch's, or nothing (Dr. GRPO).
 enum class ScaleRewards { group, batch, none };
 // The behaviour weight w = pi_prox / mu per token (trainer/correction.hpp).
@@ -32,7 +33,8 @@ inline constexpr Named<Aggregation> kAggregations[] = {
 inline constexpr Named<Advantage> kAdvantages[] = {{"group", Advantage::group},
                                                    {"rloo", Advantage::rloo},
                                                    {"reinforce_pp", Advantage::reinforce_pp},
-                                                   {"reinforce_pp_baseline", Advantage::reinforce_pp_baseline}};
+                                                   {"reinforce_pp_baseline", Advantage::reinforce_pp_baseline},
+                                                   {"none", Advantage::none}};
 inline constexpr Named<ScaleRewards> kScaleRewards[] = {
     {"group", ScaleRewards::group}, {"batch", ScaleRewards::batch}, {"none", ScaleRewards::none}};
 inline constexpr Named<CorrectionMode> kCorrectionModes[] = {{"token_truncate", CorrectionMode::token_truncate},
@@ -80,6 +82,10 @@ struct PolicyLoss {
   double epsilon_high = 0.28;  // upper clip: ratio <= 1 + epsilon_high (DAPO's clip-higher)
   double beta = 0.0;           // weight of the k3 KL to the reference
   Correction correction;
+  // On-policy distillation: the teacher's per-token reverse KL joins the advantage,
+  //   A_t += distill x (log pi_teacher(t) - log mu(t)),
+  // the teacher's log-probs arriving where the reference's do (the reference actor holds it).
+  double distill = 0.0;
   // Not a key: generator.max_tokens, Dr. GRPO's constant normaliser (tokens per sequence).
   int64_t max_completion_length = 0;
   bool operator==(const PolicyLoss&) const = default;

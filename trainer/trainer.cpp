@@ -386,7 +386,7 @@ RolloutBatch rollout_batch(const std::vector<RolloutGroup>& groups, const rl::Ov
     }
   }
   if (with_reference && (reference.empty() || !reference[0]))
-    throw Error("trainer: beta > 0 but the rollouts carry no reference log-probs");
+    throw Error("trainer: the loss needs reference (or teacher) log-probs for beta > 0 or distill > 0, but the rollouts carry none");
   out.packed = pack(seqs, behaviour, with_reference ? reference : std::vector<const std::vector<float>*>{});
   out.packed.loss_mask *= torch::tensor(keep).unsqueeze(1);
   out.rewards = torch::tensor(rewards, torch::kFloat64).view({-1, G});
@@ -430,12 +430,19 @@ struct CorrectionSums {
 
 StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
   if (groups.empty()) throw Error("trainer: grpo_step needs at least one rollout group");
-  auto batch = rollout_batch(groups, config_.overlong, config_.loss.beta > 0);
+  auto batch = rollout_batch(groups, config_.overlong, config_.loss.beta > 0 || config_.loss.distill > 0);
   const auto& packed = batch.packed;
   const int64_t G = batch.G, B = packed.ids.size(0);
   auto lengths = packed.loss_mask.sum(1).view({-1, G});
   auto adv = advantage::compute(config_.advantage, {.rewards = batch.rewards + batch.overlong_penalty, .lengths = lengths,
                                                     .scale = config_.scale_rewards}).view({B});
+  std::optional<double> teacher_kl;
+  if (config_.loss.distill > 0) {
+    // On-policy distillation: the teacher's per-token reverse KL estimate joins the advantage.
+    auto teacher = (packed.reference - packed.behaviour).to(torch::kFloat64) * packed.loss_mask;  // (B, T-1)
+    adv = adv.unsqueeze(1) * packed.loss_mask + config_.loss.distill * teacher;
+    teacher_kl = -teacher.sum().item<double>() / std::max(packed.loss_mask.sum().item<double>(), 1.0);
+  }
   // Rows sampled wholly at the trainer's current version: their behaviour log-probs and the
   // trainer's own are of the same weights, so any gap between them is numerical mismatch.
   std::vector<float> same(B);
@@ -474,6 +481,7 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
   }
 
   StepMetrics m;
+  m.teacher_kl = teacher_kl;
   m.sequences = B;
   m.tokens = static_cast<int64_t>(total_tokens);
   m.reward_mean = batch.rewards.mean().item<double>();

@@ -85,6 +85,7 @@ struct StepMetrics {
   int64_t tokens = 0, sequences = 0;
   std::optional<CorrectionMetrics> correction;  // grpo_step's; PPO reports none yet
   std::optional<double> overlong_penalty;        // the mean penalty added to the rewards (overlong: penalty)
+  std::optional<double> teacher_kl;              // distillation: mean log mu - log pi_teacher over the tokens
 };
 
 struct SftMetrics {

@@ -13,14 +13,16 @@ std::unique_ptr<RlRecipe> make_grpo(Transformer policy, const GraphSpec& spec);
 std::unique_ptr<RlRecipe> make_ppo(Transformer policy, const GraphSpec& spec);
 std::unique_ptr<RlRecipe> make_online_dpo(Transformer policy, const GraphSpec& spec);
 std::unique_ptr<RlRecipe> make_reinforce(Transformer policy, const GraphSpec& spec);
+std::unique_ptr<RlRecipe> make_distill(Transformer policy, const GraphSpec& spec);
 
 namespace {
 
-constexpr std::array<std::pair<const char*, RlRecipeFactory>, 4> kRecipes = {{
+constexpr std::array<std::pair<const char*, RlRecipeFactory>, 5> kRecipes = {{
     {"grpo", make_grpo},
     {"ppo", make_ppo},
     {"online_dpo", make_online_dpo},
     {"reinforce", make_reinforce},
+    {"distill", make_distill},
 }};
 
 }  // namespace

@@ -185,7 +185,7 @@ TEST_CASE("each kind of bad input names file, line and key") {
   CHECK(error_of(with_line(3, "  pth: models/m.gguf")) == "configs/x.yaml:3: model.pth: unknown key (did you mean path?)");
   CHECK(error_of(kBase + "optimiser: {}\n") ==
         "configs/x.yaml:15: optimiser: unknown key (expected one of: recipe, resume, model, lora, data, generator, rewards, reference, "
-        "trainer, async, parallel, cluster, run)");
+        "teacher, trainer, async, parallel, cluster, run)");
   // Wrong types.
   CHECK(error_of(with_line(7, "  group_size: eight")) ==
         "configs/x.yaml:7: generator.group_size: expected an integer, got \"eight\"");
@@ -224,11 +224,11 @@ TEST_CASE("each kind of bad input names file, line and key") {
         "configs/x.yaml:2: model.path: required: the model to train: a Hugging Face folder or a .gguf file");
   CHECK(error_of(with_line(10, "  - {kind: math_answer}")) ==
         "configs/x.yaml:10: rewards.0.name: required: a unique name (metrics report reward/<name>/mean)");
-  CHECK(error_of(with_line(1, "# no recipe")) == "configs/x.yaml:2: recipe: required: one of grpo, sft, lora, dpo, ppo, online_dpo, reinforce");
+  CHECK(error_of(with_line(1, "# no recipe")) == "configs/x.yaml:2: recipe: required: one of grpo, sft, lora, dpo, ppo, online_dpo, reinforce, distill");
   CHECK(error_of(with_line(10, "  []")).find("configs/x.yaml:9: rewards: required: at least one reward") == 0);
   // Wrong names.
   CHECK(error_of(with_line(1, "recipe: grpo2")) ==
-        "configs/x.yaml:1: recipe: expected one of grpo, sft, lora, dpo, ppo, online_dpo, reinforce, got \"grpo2\" (did you mean grpo?)");
+        "configs/x.yaml:1: recipe: expected one of grpo, sft, lora, dpo, ppo, online_dpo, reinforce, distill, got \"grpo2\" (did you mean grpo?)");
   CHECK(error_of(with_line(3, "  path: m\n  dtype: fp16")) ==
         "configs/x.yaml:4: model.dtype: expected one of auto, float32, bfloat16, float64, got \"fp16\"");
   CHECK(error_of(with_line(10, "  - {name: c, kind: math_anser}")) ==
@@ -300,7 +300,7 @@ TEST_CASE("the RL objective, advantage and correction keys: read, written back, 
         "cispo, got \"gspoo\" (did you mean gspo?)");
   CHECK(error_of(kBase, {"trainer.advantage=reinforce++"}) ==
         "configs/x.yaml, override 'trainer.advantage=reinforce++': trainer.advantage: expected one of group, rloo, "
-        "reinforce_pp, reinforce_pp_baseline, got \"reinforce++\" (did you mean reinforce_pp?)");
+        "reinforce_pp, reinforce_pp_baseline, none, got \"reinforce++\" (did you mean reinforce_pp?)");
   CHECK(error_of(kBase, {"trainer.loss.correction={mode: token_mask, low: 0.9, high: 0.5}"}) ==
         "configs/x.yaml, override 'trainer.loss.correction={mode: token_mask, low: 0.9, high: 0.5}': "
         "trainer.loss.correction.high: must be >= 1 (a bound below 1 would down-weight or drop on-policy tokens), got 0.5");
@@ -326,6 +326,17 @@ TEST_CASE("the RL objective, advantage and correction keys: read, written back, 
         "mode: penalty");
   CHECK(error_of(kBase, {"trainer.overlong={mode: penalty, buffer: 4096}"}).ends_with(
         "trainer.overlong.buffer: must be <= generator.max_tokens = 256, got 4096"));
+  // Distillation: the teacher is given exactly when something reads it.
+  auto t = parse_run_config(kBase, "configs/x.yaml", {"recipe=distill", "teacher={path: runs/teacher}"});
+  CHECK(t.trainer.loss.distill == 1.0);
+  CHECK(t.teacher->path == "runs/teacher");
+  CHECK(parse_run_config(to_yaml(t), "runs/x/config.yaml") == t);
+  CHECK(error_of(kBase, {"recipe=distill"}) == "configs/x.yaml:1: teacher: required: {path: ...} for recipe distill");
+  CHECK(error_of(kBase, {"teacher={path: runs/teacher}"}) ==
+        "configs/x.yaml, override 'teacher={path: runs/teacher}': teacher: only used by recipe distill or "
+        "trainer.loss.distill > 0");
+  CHECK(error_of(kBase, {"trainer.loss.distill=0.5"}) ==
+        "configs/x.yaml:1: teacher: required: {path: ...} for trainer.loss.distill > 0");
   CHECK(error_of(kBase, {"recipe=online_dpo", "trainer.loss.beta=0.1", "trainer.loss.objective=cispo"}) ==
         "configs/x.yaml, override 'trainer.loss.objective=cispo': trainer.loss.objective: recipe online_dpo has no "
         "policy-gradient objective");

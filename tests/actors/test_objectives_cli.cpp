@@ -67,3 +67,48 @@ TEST_CASE("gspo, cispo, rloo, reinforce_pp and reinforce_pp_baseline each learn 
     }
   }
 }
+
+namespace {
+// The first step at which the mean reward of the last 10 steps reaches `threshold` (0: never).
+size_t steps_to(const std::vector<nlohmann::json>& m, double threshold) {
+  for (size_t i = 9; i < m.size(); ++i)
+    if (mean_reward(m, i - 9, 10) >= threshold) return i + 1;
+  return 0;
+}
+}  // namespace
+
+TEST_CASE("distillation: a student taught by a GRPO-trained teacher reaches 0.9x its reward in fewer steps than GRPO") {
+  // The teacher: the tiny model after 200 GRPO steps (the config as shipped).
+  auto teacher = learn("distill_teacher", "", 200);
+  const double teacher_reward = mean_reward(teacher, 190, 10);
+  const auto teacher_path = fixtures() / "distill_teacher" / "checkpoints" / "step_200";
+  // GRPO and distillation from the same start (the sft warm-up), with the same settings.
+  const std::string common = "trainer.num_iterations=2 ";
+  auto grpo = learn("distill_grpo", common, 200);
+  auto student = learn("distill_student", common + "recipe=distill teacher.path=" + shell_quote(teacher_path.string()), 200);
+  const size_t grpo_steps = steps_to(grpo, 0.9 * teacher_reward), distill_steps = steps_to(student, 0.9 * teacher_reward);
+  MESSAGE("teacher reward " << teacher_reward << "; steps to 0.9x it (10-step mean): grpo " << grpo_steps << ", distill "
+                            << distill_steps << "; student's last 10 " << mean_reward(student, 190, 10)
+                            << ", reverse KL to the teacher step 1 " << student.front()["distill/reverse_kl"].get<double>()
+                            << ", step 200 " << student.back()["distill/reverse_kl"].get<double>());
+  CHECK(mean_reward(student, 0, 5) < 0.3);
+  REQUIRE(distill_steps > 0);
+  CHECK((grpo_steps == 0 || distill_steps < grpo_steps));
+  CHECK(mean_reward(student, 190, 10) >= 0.9 * teacher_reward);
+  CHECK(student.back()["distill/reverse_kl"].get<double>() < student.front()["distill/reverse_kl"].get<double>());
+}
+
+TEST_CASE("a teacher whose tokenizer is not the student's is refused, naming teacher.path") {
+  auto task = fixtures() / "arithmetic";
+  // SmolLM2 (a vocabulary of 49152 tokens) as the teacher of the tiny model (Qwen3's tokenizer).
+  const auto other = smollm2_gguf();
+  auto r = run_command(bounded(120, troupe_run("tiny_arithmetic_grpo", "recipe=distill teacher.path=" + shell_quote(other.string()) +
+                                                                       " model.path=" + shell_quote((task / "model").string()) +
+                                                                       " data.train.path=" + shell_quote((task / "train.jsonl").string()) +
+                                                                       " run.dir=" + shell_quote((fixtures() / "distill_refused").string()))) +
+                       " 2>&1");
+  CHECK(r.status != 0);
+  CHECK_MESSAGE(r.out.find("teacher.path: " + other.string() + " has another tokenizer than model.path (a vocabulary of 49152 "
+                           "tokens, the student's") != std::string::npos,
+                r.out);
+}
