@@ -94,6 +94,9 @@ struct DataSection {
 struct GeneratorSection {
   int64_t count = 1;                       // generator actors (engines or remote servers' clients)
   EngineKind engine = EngineKind::builtin; // builtin: in-process Engine; remote: a vLLM-compatible server
+  // builtin: the engines' weights and compute; auto: model.dtype's. bfloat16 under a float32
+  // trainer gives the train/rollout mismatch that trainer.loss.correction is for.
+  ModelDtype dtype = ModelDtype::automatic;
   std::string url;                         // remote only: the server's base URL, http(s)://host:port
   // remote only: how new weights reach the server, in vLLM 0.33.0's routes. reload: a safetensors
   // folder and /collective_rpc reload_weights (any vLLM with VLLM_SERVER_DEV_MODE=1, and troupe

@@ -216,7 +216,7 @@ rollout_sink spawn_reference_stage(Self self, rollout_sink next) {
                                                        bytes, spec.listen_address().first);
   const auto written = st.reference_weights->write(weights, 0);
   const auto& source = spec.make_reference ? spec.reference_source : spec.model_source;
-  ReferenceStageSpec r{source.string(), written.path, written.url, written.host, spec.generator_dtype,
+  ReferenceStageSpec r{source.string(), written.path, written.url, written.host, spec.model_dtype,
                        spec.generator_device, spec.trainer_threads, spec.trainer.logprob_chunk};
   return add_stage(self, "reference", to_json(r), std::move(next));
 }

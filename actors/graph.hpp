@@ -54,7 +54,8 @@ struct GraphSpec {
   std::filesystem::path reference_source;
   std::optional<Tokenizer> tokenizer;  // decodes completions for rewards
   std::filesystem::path tokenizer_path;  // the same tokenizer for generators (stop strings); empty: none
-  std::string generator_dtype = "float32";
+  std::string model_dtype = "float32";      // the trainer's and the reference's
+  std::string generator_dtype = "float32";  // built-in engines' (generator.dtype)
   std::string generator_device = "cpu";
   // The data source: the next n prompts (ids, text, metadata). Called by the data actor only.
   std::function<std::vector<PromptItem>(int64_t n)> next_prompts;

@@ -107,7 +107,8 @@ PpoConfig ppo_config(const RunConfig& c, const OptimizerConfig& optimizer) {
 // they run (this process, worker processes, a remote server), and their threads.
 void set_generation(GraphSpec& spec, const RunConfig& c) {
   spec.tokenizer_path = c.model.path;
-  spec.generator_dtype = std::string(to_string(c.model.dtype));
+  spec.model_dtype = std::string(to_string(c.model.dtype));
+  spec.generator_dtype = c.generator.dtype == ModelDtype::automatic ? spec.model_dtype : std::string(to_string(c.generator.dtype));
   spec.generator_device = c.model.device;
   spec.engine = {.max_batch = c.generator.max_batch, .max_seq_len = c.generator.max_seq_len, .seed = c.run.seed};
   spec.sampling = {.n = c.generator.group_size, .temperature = c.generator.temperature, .top_p = c.generator.top_p,

@@ -12,6 +12,7 @@ namespace troupe::correction {
 // token_mask:        w_t = r_t if low <= r_t <= high, else 0
 // sequence_truncate: w_t = min(r_i, high)
 // sequence_mask:     w_t = r_i if low <= r_i <= high, else 0
+// none:              w_t = 1
 // Log ratios are bounded to [-20, 20] before exp (verl's safety bound): a weight of e^20 is
 // capped or masked either way.
 Weights weights(const torch::Tensor& prox, const torch::Tensor& behaviour, const torch::Tensor& mask,
@@ -30,7 +31,10 @@ Weights weights(const torch::Tensor& prox, const torch::Tensor& behaviour, const
     auto log_seq = log_r.sum(1, /*keepdim=*/true) / m.sum(1, true).clamp_min(1);  // (B, 1)
     r = log_seq.clamp(-20, 20).exp().expand_as(log_r);
   }
-  if (c.mode == rl::CorrectionMode::token_truncate || c.mode == rl::CorrectionMode::sequence_truncate) {
+  if (c.mode == rl::CorrectionMode::none) {
+    out.weight = torch::ones_like(r);
+    out.truncated = out.masked = torch::zeros_like(counted);
+  } else if (c.mode == rl::CorrectionMode::token_truncate || c.mode == rl::CorrectionMode::sequence_truncate) {
     out.weight = r.clamp_max(c.high);
     out.truncated = (r > c.high).logical_and(counted);
     out.masked = torch::zeros_like(counted);

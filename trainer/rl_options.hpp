@@ -21,8 +21,8 @@ enum class Aggregation { grpo, dr_grpo, dapo };
 enum class Advantage { group, rloo, reinforce_pp, reinforce_pp_baseline, none };
 // group advantages: divide by the group's std, the whole batch's, or nothing (Dr. GRPO).
 enum class ScaleRewards { group, batch, none };
-// The behaviour weight w = pi_prox / mu per token (trainer/correction.hpp).
-enum class CorrectionMode { token_truncate, token_mask, sequence_truncate, sequence_mask };
+// The behaviour weight w = pi_prox / mu per token (trainer/correction.hpp); none: w = 1.
+enum class CorrectionMode { token_truncate, token_mask, sequence_truncate, sequence_mask, none };
 // Completions that run into generator.max_tokens (trainer.overlong).
 enum class OverlongMode { none, mask, penalty };
 
@@ -40,7 +40,8 @@ inline constexpr Named<ScaleRewards> kScaleRewards[] = {
 inline constexpr Named<CorrectionMode> kCorrectionModes[] = {{"token_truncate", CorrectionMode::token_truncate},
                                                              {"token_mask", CorrectionMode::token_mask},
                                                              {"sequence_truncate", CorrectionMode::sequence_truncate},
-                                                             {"sequence_mask", CorrectionMode::sequence_mask}};
+                                                             {"sequence_mask", CorrectionMode::sequence_mask},
+                                                             {"none", CorrectionMode::none}};
 inline constexpr Named<OverlongMode> kOverlongModes[] = {
     {"none", OverlongMode::none}, {"mask", OverlongMode::mask}, {"penalty", OverlongMode::penalty}};
 constexpr std::span<const Named<Objective>> names_of(Objective) { return kObjectives; }
@@ -53,7 +54,8 @@ constexpr std::span<const Named<OverlongMode>> names_of(OverlongMode) { return k
 // trainer.loss.correction. The weight is pi_prox / mu: the trainer's weights at the start of
 // the step over the policy that sampled the token. Truncating modes cap it at `high`; masking
 // modes drop the token (weight 0) when it falls outside [low, high]. Sequence modes take one
-// ratio per completion, the geometric mean of its tokens' ratios, for each of its tokens.
+// ratio per completion, the geometric mean of its tokens' ratios, for each of its tokens. none
+// weights every token 1: the samples are taken as the proximal policy's (no correction at all).
 struct Correction {
   CorrectionMode mode = CorrectionMode::token_truncate;
   double low = 0.0;   // masking modes: the lowest ratio kept

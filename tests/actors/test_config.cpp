@@ -326,6 +326,12 @@ TEST_CASE("the RL objective, advantage and correction keys: read, written back, 
         "mode: penalty");
   CHECK(error_of(kBase, {"trainer.overlong={mode: penalty, buffer: 4096}"}).ends_with(
         "trainer.overlong.buffer: must be <= generator.max_tokens = 256, got 4096"));
+  // The engines' dtype apart from the trainer's (the mismatch the corrections are for).
+  CHECK(parse_run_config(kBase, "configs/x.yaml", {"generator.dtype=bfloat16"}).generator.dtype == ModelDtype::bfloat16);
+  CHECK(parse_run_config(kBase, "configs/x.yaml").generator.dtype == ModelDtype::automatic);
+  CHECK(error_of(kBase, {"generator.engine=remote", "generator.url=http://h:1", "generator.dtype=bfloat16"}) ==
+        "configs/x.yaml, override 'generator.dtype=bfloat16': generator.dtype: only used with engine: builtin (a server "
+        "keeps its own)");
   // Distillation: the teacher is given exactly when something reads it.
   auto t = parse_run_config(kBase, "configs/x.yaml", {"recipe=distill", "teacher={path: runs/teacher}"});
   CHECK(t.trainer.loss.distill == 1.0);

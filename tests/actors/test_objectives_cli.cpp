@@ -113,3 +113,21 @@ TEST_CASE("a teacher whose tokenizer is not the student's is refused, naming tea
                            "tokens, the student's") != std::string::npos,
                 r.out);
 }
+
+TEST_CASE("mismatch/kl: float rounding with float32 engines, and reported when the engines run bfloat16 under a float32 trainer") {
+  // eta 0: every completion is sampled at the trainer's version, so every step measures it.
+  const std::string args = "async.max_staleness=0 ";
+  auto f32 = learn("mismatch_f32", args, 20);
+  auto bf16 = learn("mismatch_bf16", args + "generator.dtype=bfloat16", 20);
+  double worst_f32 = 0, least_bf16 = 1e9;
+  for (size_t i = 0; i < f32.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(f32[i]["mismatch/tokens"].get<int64_t>() > 0);
+    REQUIRE(bf16[i]["mismatch/tokens"].get<int64_t>() > 0);
+    worst_f32 = std::max(worst_f32, f32[i]["mismatch/kl"].get<double>());
+    least_bf16 = std::min(least_bf16, bf16[i]["mismatch/kl"].get<double>());
+  }
+  MESSAGE("mismatch/kl over 20 steps at eta 0: float32 engines at most " << worst_f32 << ", bfloat16 engines at least " << least_bf16);
+  CHECK(worst_f32 < 1e-10);   // the same weights: only the order of float32 sums differs
+  CHECK(least_bf16 > 1e-7);   // bfloat16 rounding of weights and activations
+}

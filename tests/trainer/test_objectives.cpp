@@ -96,7 +96,10 @@ Scalar scalar_loss(const Batch& b, const rl::PolicyLoss& c) {
                             c.correction.mode == rl::CorrectionMode::sequence_mask;
       const double w_raw = std::exp(sequence ? log_w_seq : px - mu);
       double w = w_raw;
-      if (c.correction.mode == rl::CorrectionMode::token_truncate || c.correction.mode == rl::CorrectionMode::sequence_truncate) {
+      if (c.correction.mode == rl::CorrectionMode::none) {
+        w = 1;
+      } else if (c.correction.mode == rl::CorrectionMode::token_truncate ||
+                 c.correction.mode == rl::CorrectionMode::sequence_truncate) {
         w = std::min(w_raw, c.correction.high);
         out.truncated += w_raw > c.correction.high;
       } else if (w_raw < c.correction.low || w_raw > c.correction.high) {
