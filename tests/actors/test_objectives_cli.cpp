@@ -18,17 +18,15 @@ double mean_reward(const std::vector<nlohmann::json>& steps, size_t from, size_t
   return s / n;
 }
 
-// `troupe run configs/tiny_arithmetic_grpo.yaml` with `args`, into fixtures/NAME.
+// `troupe run configs/tiny_arithmetic_grpo.yaml` on the task (task_args: deterministic, one
+// thread each), its sft warm-up included, with `args`, into fixtures/NAME.
 std::vector<nlohmann::json> learn(const std::string& name, const std::string& args, int64_t steps) {
-  auto task = fixtures() / "arithmetic";
   auto dir = fixtures() / name;
   fs::remove_all(dir);
-  auto r = run_command(bounded(600, troupe_run("tiny_arithmetic_grpo", "trainer.steps=" + std::to_string(steps) +
-                                                                          " trainer.threads=1 generator.threads=1"
-                                                                          " model.path=" + shell_quote((task / "model").string()) +
-                                                                          " data.train.path=" + shell_quote((task / "train.jsonl").string()) +
-                                                                          " trainer.sft_warmup.path=" + shell_quote((task / "format.jsonl").string()) +
-                                                                          " run.dir=" + shell_quote(dir.string()) + " " + args)) +
+  auto r = run_command(bounded(600, troupe_run("tiny_arithmetic_grpo",
+                                               task_args(steps) + " trainer.sft_warmup.path=" +
+                                                   shell_quote((fixtures() / "arithmetic" / "format.jsonl").string()) +
+                                                   " run.dir=" + shell_quote(dir.string()) + " " + args)) +
                        " 2>&1");
   REQUIRE_MESSAGE(r.status == 0, r.out);
   auto m = metrics(dir);
