@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "generator/partial_rollouts.hpp"
 #include "policy/named.hpp"
 #include "trainer/rl_options.hpp"
 
@@ -110,6 +111,9 @@ struct GeneratorSection {
   double min_p = 0.0;                      // drop tokens below min_p x the top token's probability
   int64_t max_batch = 32;                  // builtin: sequences decoded together
   int64_t max_seq_len = 2048;              // builtin: prompt + completion tokens per sequence
+  // builtin: what new weights do to sequences being decoded: continue (under the new weights,
+  // tokens tagged by version), finish (under the old ones, then load) or abort (start again).
+  PartialRollouts partial_rollouts = PartialRollouts::continue_;
   std::vector<std::string> stop;           // stop strings, besides the model's end-of-turn tokens
   int64_t threads = 0;                     // CPU threads of each generator's kernels; 0: LibTorch's default
   bool operator==(const GeneratorSection&) const = default;
@@ -182,6 +186,10 @@ struct TrainerSection {
   rl::Advantage advantage = rl::Advantage::group;      // group (GRPO), rloo, reinforce_pp, reinforce_pp_baseline
   RewardScaling scale_rewards = RewardScaling::group;  // advantage group: divide by the group's std, the batch's, or not
   rl::Overlong overlong;          // completions cut at max_tokens: mode none, mask (no loss) or penalty (DAPO's)
+  // DAPO's dynamic sampling: a group whose rewards all tie is not trained; the batch is filled
+  // up with new prompts, at most dynamic_sampling_rounds times, then trains with what it has.
+  bool dynamic_sampling = false;
+  int64_t dynamic_sampling_rounds = 8;
   LossSection loss;
   std::optional<SftWarmupSection> sft_warmup;
   // sft, lora and dpo:

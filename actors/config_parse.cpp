@@ -142,6 +142,9 @@ void read_trainer(Map m, TrainerSection& c, Recipe recipe, int64_t max_tokens) {
           "advantage",
           "recipe " + std::string(to_string(recipe)) + " takes no advantage estimator" +
               (recipe == Recipe::ppo ? " (ppo's advantages are GAE's)" : ""));
+  m.check(!c.dynamic_sampling || recipe == Recipe::grpo || recipe == Recipe::reinforce, "dynamic_sampling",
+          "recipe " + std::string(to_string(recipe)) + " does not filter groups (only grpo and reinforce do: a group " +
+              "whose rewards tie has no advantage there)");
   read_loss(m.map("loss"), c.loss, recipe);
   if (m.given("sft_warmup")) {
     auto& w = c.sft_warmup.emplace();
@@ -230,6 +233,11 @@ void check_across(Map& top, RunConfig& c, bool data_seeded) {
   if (c.recipe == Recipe::online_dpo)
     top.map("generator").check(c.generator.group_size >= 2, "group_size",
                                "must be >= 2 for recipe online_dpo (a pair per prompt)" + got(c.generator.group_size));
+  // Dynamic sampling drops groups whose rewards tie, which one completion always does.
+  if (c.trainer.dynamic_sampling)
+    top.map("generator").check(c.generator.group_size >= 2, "group_size",
+                               "must be >= 2 with trainer.dynamic_sampling (one completion always ties with itself)" +
+                                   got(c.generator.group_size));
   check_placement(top, c);
   check_teacher(top, c);
   if (graph && c.rewards.empty())

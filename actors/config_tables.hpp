@@ -78,6 +78,8 @@ void fields(auto& v, Of<GeneratorSection> auto& c) {
   v("min_p", c.min_p, within("[0, 1)", [](double x) { return x >= 0 && x < 1; }));
   v("max_batch", c.max_batch, at_least(1));
   v("max_seq_len", c.max_seq_len);
+  v("partial_rollouts", c.partial_rollouts,
+    OnlyWhen{c.engine == EngineKind::builtin, "only used with engine: builtin (a server's batch takes new weights once it is done)"});
   v("threads", c.threads, at_least(0, "0: LibTorch's default"));
   v("stop", c.stop);
 }
@@ -165,6 +167,9 @@ void fields(auto& v, Of<TrainerSection> auto& c) {
   v("logprob_chunk", c.logprob_chunk, at_least(1));
   v("advantage", c.advantage);
   v("scale_rewards", c.scale_rewards, OnlyWhen{c.advantage == rl::Advantage::group, "only used with advantage: group"});
+  v("dynamic_sampling", c.dynamic_sampling);
+  v("dynamic_sampling_rounds", c.dynamic_sampling_rounds, OnlyWhen{c.dynamic_sampling, "only used with dynamic_sampling: true"},
+    at_least(1));
   v("threads", c.threads, at_least(0, "0: LibTorch's default"));
   v("batch_size", c.batch_size, at_least(1));
   v("max_length", c.max_length, at_least(2));

@@ -92,15 +92,12 @@ void flush(Self self) {
   }
 }
 
-// Batch k goes out once step k - eta - 1 has reported, so at most (eta + 1) batches are in
-// flight or buffered and every group trains within eta versions. Weights sent only every
-// sync_every steps lag by up to sync_every - 1 versions, paid for in credits.
-void release(Self self) {
+// The data stream's next n prompts, for batch `batch`, in the outbox's order.
+void draw(Self self, int64_t n, int64_t batch_index) {
   auto& st = self->state;
-  const int64_t k = st.issued_batches++;
   st.outbox.emplace_back(std::optional<PromptBatch>());
   auto* slot = &std::get<std::optional<PromptBatch>>(st.outbox.back());
-  self->request(st.data, infinite, next_atom::value, st.spec->batch_groups, k).then([=](PromptBatch& batch) {
+  self->request(st.data, infinite, next_atom::value, n, batch_index).then([=](PromptBatch& batch) {
     auto& st = self->state;
     for (const auto& p : batch.prompts) st.summary.issued.push_back(p.ticket);
     // Spread over the generators by ticket (at flush), so each one's share does not depend on
@@ -108,6 +105,15 @@ void release(Self self) {
     *slot = std::move(batch);
     flush(self);
   }, [=](error& e) { finish(self, "data: " + reason_text(e)); });
+}
+
+// Batch k goes out once step k - eta - 1 has reported, so at most (eta + 1) batches are in
+// flight or buffered and every group trains within eta versions. Weights sent only every
+// sync_every steps lag by up to sync_every - 1 versions, paid for in credits. (Dynamic
+// sampling's refills take the places of filtered groups: they add no credit.)
+void release(Self self) {
+  auto& st = self->state;
+  draw(self, st.spec->batch_groups, st.issued_batches++);
 }
 
 // Once the generators asked for are there, the first credits go out (each generator has been
@@ -187,8 +193,10 @@ void report(Self self, const StepReport& r) {
   st.summary.metrics.push_back(std::move(line));
   st.summary.trained.insert(st.summary.trained.end(), r.trained.begin(), r.trained.end());
   st.summary.failed.insert(st.summary.failed.end(), r.failed.begin(), r.failed.end());
+  st.summary.filtered.insert(st.summary.filtered.end(), r.filtered.begin(), r.filtered.end());
   st.pool.done(r.trained);
   st.pool.done(r.failed);
+  st.pool.done(r.filtered);
 }
 
 // A stage placed in worker processes: its router in this process, and the spec workers build.
@@ -237,7 +245,8 @@ void spawn_graph(Self self) {
     st.sink = add_stage(self, "reward", to_json(RewardStageSpec{spec.reward_specs, spec.tokenizer_path.string()}), after_reward);
   else
     st.sink = spawn_reward(system, spec.reward, spec.tokenizer, after_reward);
-  st.data = spawn_data(system, spec.next_prompts);
+  st.data = spawn_data(system, spec.next_prompts,
+                       spec.resume ? spec.resume->first_new_batch * spec.batch_groups + spec.resume->refilled : 0);
   for (const auto& a : {actor_cast<actor>(trainer), actor_cast<actor>(st.sink), actor_cast<actor>(st.data)}) st.all.push_back(a);
   for (const auto& a : st.all) self->monitor(a);
   if (spec.generator_processes > 0) {
@@ -358,6 +367,10 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
         }
       },
       [=](tick_atom) { tick(self); },
+      // The trainer's next batch lacks n groups (dynamic sampling filtered them): n more prompts.
+      [=](refill_atom, int64_t batch, int64_t n) {
+        if (!self->state.shutting_down) draw(self, n, batch);
+      },
       [=](stop_atom, int64_t step) {
         finish(self, "stopped on request after step " + std::to_string(step) + " (checkpoint " +
                          (self->state.spec->run_dir / "checkpoints" / ("step_" + std::to_string(step))).string() + ")");

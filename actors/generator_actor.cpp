@@ -18,8 +18,17 @@ namespace troupe {
 using namespace caf;
 
 // What crosses to a worker process: the sampling and engine settings a generator uses (a
-// prompt's own seed is set per ticket), and the rest of the spec.
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineOptions, max_batch, max_seq_len, restart_on_weight_update, seed)
+// prompt's own seed is set per ticket), and the rest of the spec. Enums by name.
+void to_json(nlohmann::json& j, PartialRollouts p) { j = std::string(to_string(p)); }
+void from_json(const nlohmann::json& j, PartialRollouts& p) {
+  for (const auto& n : kPartialRollouts)
+    if (n.name == j.get<std::string>()) {
+      p = n.value;
+      return;
+    }
+  throw Error("partial_rollouts: unknown mode " + j.dump());
+}
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineOptions, max_batch, max_seq_len, partial_rollouts, seed)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SamplingParams, n, temperature, top_p, top_k, min_p, max_tokens, stop_token_ids, stop,
                                    include_stop_str_in_output, ignore_eos)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(GeneratorSpec, model, tokenizer, dtype, device, engine, sampling, seed, deterministic,
@@ -109,15 +118,22 @@ void load(Self self, const WeightsReady& notice) {
   self->send(self->state.controller, WeightsLoaded{self->state.index, notice.version, s});
 }
 
-bool busy(Self self) {
-  auto& st = self->state;
-  return st.spec.deterministic && (st.engine->has_work() || !st.deferred.empty());
+// Whether a notice (or prompts) must wait for what the engine holds. Deterministic mode: both
+// wait until the engine is idle, so each batch meets exactly the weights sent before it.
+// partial_rollouts finish: a notice waits until the sequences in progress are done, and prompts
+// that come after it wait behind it. Otherwise nothing waits.
+bool waits(const GeneratorState& st, bool notice) {
+  if (!st.deferred.empty()) return true;  // behind what already waits, in arrival order
+  if (!st.engine->has_work()) return false;
+  return st.spec.deterministic || (notice && st.spec.engine.partial_rollouts == PartialRollouts::finish);
 }
 
-// Deterministic mode, once idle: weights and prompts in arrival order, up to the next batch.
+// What waited, in arrival order, as far as the engine's state allows.
 void drain(Self self) {
   auto& st = self->state;
-  while (!st.deferred.empty() && !st.engine->has_work()) {
+  while (!st.deferred.empty()) {
+    const bool notice = std::holds_alternative<WeightsReady>(st.deferred.front());
+    if (st.engine->has_work() && (st.spec.deterministic || notice)) return;
     auto item = std::move(st.deferred.front());
     st.deferred.pop_front();
     if (auto* notice = std::get_if<WeightsReady>(&item)) {
@@ -168,14 +184,14 @@ generator_actor::behavior_type generator(Self self, GeneratorSpec spec, rollout_
   return {
       [=](step_atom) { step(self); },
       [=](PromptBatch& batch) {
-        if (busy(self)) {
+        if (waits(self->state, false)) {
           self->state.deferred.emplace_back(std::move(batch));
         } else {
           admit(self, batch);
         }
       },
       [=](const WeightsReady& notice) {
-        if (busy(self)) {
+        if (waits(self->state, true)) {
           self->state.deferred.emplace_back(notice);
         } else {
           load(self, notice);

@@ -168,6 +168,7 @@ GraphResult run_graph(const GraphSpec& spec) {
   r.issued = std::move(summary.issued);
   r.trained = std::move(summary.trained);
   r.failed = std::move(summary.failed);
+  r.filtered = std::move(summary.filtered);
   r.ok = r.error.empty() && r.steps == spec.steps;
   return r;
 }

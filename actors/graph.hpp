@@ -40,7 +40,8 @@ struct GraphResume {
   // The rollout groups that were buffered or in flight (batches [step, first_new_batch)),
   // made by weights older than the checkpoint's; every later batch is generated anew.
   std::vector<RolloutGroup> groups;
-  int64_t first_new_batch = 0; // the data source resumes at first_new_batch * batch_groups prompts
+  int64_t first_new_batch = 0; // the data source resumes at first_new_batch * batch_groups + refilled prompts
+  int64_t refilled = 0;        // prompts drawn before the checkpoint to replace filtered groups
 };
 
 struct GraphSpec {
@@ -115,6 +116,12 @@ struct GraphSpec {
   RemoteOptions remote;
   std::filesystem::path weights_dir;
 
+  // trainer.dynamic_sampling: a group whose rewards all tie is filtered (reported, not trained);
+  // once every group handed out for the next batch is back, the trainer asks for as many new
+  // prompts as the batch lacks, at most dynamic_sampling_rounds times, then trains what it has.
+  bool dynamic_sampling = false;
+  int64_t dynamic_sampling_rounds = 8;
+
   int64_t max_staleness = 1;  // eta: a group made by version v trains at t only if t - v <= eta
   int64_t sync_every = 1;     // weights go to the generators after every k-th step
   bool reference = false;     // spawn a reference actor (trainer.loss.beta > 0, online_dpo, a teacher)
@@ -150,8 +157,8 @@ struct GraphResult {
   int64_t steps = 0;  // optimizer steps completed
   std::vector<nlohmann::json> metrics;
   // Rollout accounting, as tickets (PromptItem::ticket): every prompt handed out ends up in
-  // trained or failed exactly once when the run finishes its steps.
-  std::vector<int64_t> issued, trained, failed;
+  // trained, filtered or failed exactly once when the run finishes its steps.
+  std::vector<int64_t> issued, trained, failed, filtered;
 };
 
 // Spawns the graph, runs it to `steps` optimizer steps (or a stop request, or a failed actor),

@@ -114,22 +114,24 @@ void save_weights(const GraphSpec& spec, RlRecipe& recipe, const std::filesystem
 }  // namespace
 
 void PendingCheckpoints::start(RlRecipe& recipe, int64_t step, int64_t policy_version,
-                               const std::map<int64_t, std::vector<RolloutGroup>>& buffer) {
-  Pending c{checkpoint_dir(spec_, step), step, policy_version, step,
-            outstanding_end(spec_, step), {}};
+                               const std::map<int64_t, std::vector<RolloutGroup>>& buffer, int64_t refilled) {
+  const int64_t end = outstanding_end(spec_, step);
+  Pending c{.dir = checkpoint_dir(spec_, step), .step = step, .policy_version = policy_version, .begin = step, .end = end,
+            .refilled = refilled, .ticket_end = end * spec_.batch_groups + refilled};
   // Over an older checkpoint of the same step (a run resumed from before it): it stops counting
   // as complete before anything of it is replaced.
   std::filesystem::remove(c.dir / "trainer_state.json");
   save_weights(spec_, recipe, c.dir);
   for (const auto& [batch, held] : buffer)
-    if (batch >= c.begin && batch < c.end) c.groups.insert(c.groups.end(), held.begin(), held.end());
+    for (const auto& g : held)
+      if (c.holds(g)) c.groups.push_back(g);
   pending_.push_back(std::move(c));
   finish_complete();
 }
 
 void PendingCheckpoints::add(const RolloutGroup& g) {
   for (auto& c : pending_)
-    if (g.batch >= c.begin && g.batch < c.end) c.groups.push_back(g);
+    if (c.holds(g)) c.groups.push_back(g);
   finish_complete();
 }
 
@@ -143,7 +145,7 @@ void PendingCheckpoints::finish_complete() {
     std::ofstream(c.dir / "rollouts.msgpack", std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     write_trainer_state(c.dir, {.recipe = spec_.recipe, .model = spec_.model_source.string(), .step = c.step,
                                 .policy_version = c.policy_version, .rollout_batches = std::pair{c.begin, c.end},
-                                .rollouts = "rollouts.msgpack"});
+                                .rollouts = "rollouts.msgpack", .refilled = c.refilled});
     finished_.push_back(c.step);
     return true;
   });
@@ -159,6 +161,7 @@ GraphResume read_graph_checkpoint(const std::filesystem::path& dir) {
   r.step = state.step;
   r.policy_version = state.policy_version;
   r.first_new_batch = state.rollout_batches->second;
+  r.refilled = state.refilled;
   auto rollouts = dir / state.rollouts;
   std::ifstream in(rollouts, std::ios::binary);
   if (!in) throw Error(rollouts.string() + ": cannot open the checkpoint's buffered rollouts");

@@ -45,9 +45,12 @@ class PendingCheckpoints {
  public:
   explicit PendingCheckpoints(const GraphSpec& spec) : spec_(spec) {}
   // Writes what can be written now and waits for batches [step, outstanding_end) from `buffer`
-  // and from later arrivals.
+  // and from later arrivals. `refilled`: prompts drawn so far to replace filtered groups (dynamic
+  // sampling). Those were all for batches before `step`, so the prompts drawn before this
+  // checkpoint are outstanding_end * batch_groups + refilled, and the groups it keeps are the
+  // ones with a lower ticket: refills the next batch asks for later are generated anew on resume.
   void start(RlRecipe& recipe, int64_t step, int64_t policy_version,
-             const std::map<int64_t, std::vector<RolloutGroup>>& buffer);
+             const std::map<int64_t, std::vector<RolloutGroup>>& buffer, int64_t refilled);
   // A group that arrived; finishes every checkpoint that now has all its groups.
   void add(const RolloutGroup& g);
   // The steps whose checkpoints were completed since the last call.
@@ -58,7 +61,9 @@ class PendingCheckpoints {
     std::filesystem::path dir;
     int64_t step = 0, policy_version = 0;
     int64_t begin = 0, end = 0;
+    int64_t refilled = 0, ticket_end = 0;  // groups with a ticket below ticket_end belong to it
     std::vector<RolloutGroup> groups;
+    bool holds(const RolloutGroup& g) const { return g.batch >= begin && g.batch < end && g.ticket < ticket_end; }
   };
   void finish_complete();
   const GraphSpec& spec_;

@@ -21,6 +21,7 @@ using join_atom = caf::atom_constant<caf::atom("join")>;
 using done_atom = caf::atom_constant<caf::atom("done")>;
 using go_atom = caf::atom_constant<caf::atom("go")>;
 using stop_atom = caf::atom_constant<caf::atom("stop")>;
+using refill_atom = caf::atom_constant<caf::atom("refill")>;
 
 // One prompt handed to a generator.
 struct PromptItem {
@@ -29,7 +30,8 @@ struct PromptItem {
   std::vector<int32_t> ids;    // [P] prompt token ids
   std::string text;            // the prompt as the model sees it (rewards get it)
   std::string metadata;        // JSON: the dataset line's fields (e.g. the answer)
-  int64_t ticket = 0;          // hand-out number, unique within a run (batch * batch_groups + i)
+  int64_t ticket = 0;          // hand-out number, unique within a run: the prompt's place in the
+                               // data stream (batch * batch_groups + i without dynamic sampling)
 };
 
 struct PromptBatch {
@@ -59,6 +61,7 @@ struct StepReport {
   int64_t step = 0;
   std::string json;
   std::vector<int64_t> trained, failed;  // tickets
+  std::vector<int64_t> filtered;         // tickets whose rewards tied (dynamic sampling): not trained
 };
 
 // A worker process went away (dead, or silent past the heartbeat timeout): the run's process
@@ -73,6 +76,7 @@ struct RunSummary {
   int64_t steps = 0;
   std::vector<std::string> metrics;  // every step's metrics as JSON
   std::vector<int64_t> issued, trained, failed;  // tickets
+  std::vector<int64_t> filtered;                 // tickets not trained: their rewards tied
 };
 
 // Handles. A generator sends groups to a rollout sink: the reward actor, then the reference
@@ -99,7 +103,9 @@ using controller_actor =
                      // JSON and the router it joins
                      caf::replies_to<join_atom, std::string>::with<std::string, stage_router>,
                      // the trainer's checkpoint after a stop request is complete (at that step)
-                     caf::reacts_to<stop_atom, int64_t>>;
+                     caf::reacts_to<stop_atom, int64_t>,
+                     // dynamic sampling: n more prompts for batch `batch` (its filtered groups' places)
+                     caf::reacts_to<refill_atom, int64_t, int64_t>>;
 // go: the generators are there and the first prompts are out; a resumed trainer trains the
 // checkpoint's buffered batches only then, so its next version follows those prompts.
 // stop: a stop was asked for (Ctrl-C): checkpoint after the step in progress and train no more.
@@ -131,7 +137,7 @@ typename Inspector::result_type inspect(Inspector& f, WeightsLoaded& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, StepReport& x) {
-  return f(caf::meta::type_name("StepReport"), x.step, x.json, x.trained, x.failed);
+  return f(caf::meta::type_name("StepReport"), x.step, x.json, x.trained, x.failed, x.filtered);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerLost& x) {
@@ -139,7 +145,7 @@ typename Inspector::result_type inspect(Inspector& f, WorkerLost& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RunSummary& x) {
-  return f(caf::meta::type_name("RunSummary"), x.error, x.steps, x.metrics, x.issued, x.trained, x.failed);
+  return f(caf::meta::type_name("RunSummary"), x.error, x.steps, x.metrics, x.issued, x.trained, x.failed, x.filtered);
 }
 
 // A prompt that could not be generated: it travels to the trainer marked failed, so its ticket is

@@ -110,7 +110,8 @@ void set_generation(GraphSpec& spec, const RunConfig& c) {
   spec.model_dtype = std::string(to_string(c.model.dtype));
   spec.generator_dtype = c.generator.dtype == ModelDtype::automatic ? spec.model_dtype : std::string(to_string(c.generator.dtype));
   spec.generator_device = c.model.device;
-  spec.engine = {.max_batch = c.generator.max_batch, .max_seq_len = c.generator.max_seq_len, .seed = c.run.seed};
+  spec.engine = {.max_batch = c.generator.max_batch, .max_seq_len = c.generator.max_seq_len,
+                 .partial_rollouts = c.generator.partial_rollouts, .seed = c.run.seed};
   spec.sampling = {.n = c.generator.group_size, .temperature = c.generator.temperature, .top_p = c.generator.top_p,
                    .top_k = c.generator.top_k, .min_p = c.generator.min_p, .max_tokens = c.generator.max_tokens,
                    .stop = c.generator.stop};
@@ -140,6 +141,8 @@ void set_schedule(GraphSpec& spec, const RunConfig& c) {
   spec.batch_groups = c.trainer.batch_groups;
   spec.steps = c.trainer.steps;
   spec.max_staleness = c.async.max_staleness;
+  spec.dynamic_sampling = c.trainer.dynamic_sampling;
+  spec.dynamic_sampling_rounds = c.trainer.dynamic_sampling_rounds;
   spec.sync_every = c.async.sync_every;
   spec.reference = c.reference.enabled || c.trainer.loss.beta > 0 || c.teacher.has_value();
   spec.run_dir = c.run.dir;
@@ -247,7 +250,7 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
   std::ofstream(spec.run_dir / "config.yaml") << to_yaml(c);
   if (resume) {
     // The prompts of every batch released before the checkpoint are behind the data cursor.
-    source->next(resume->first_new_batch * spec.batch_groups);
+    source->next(resume->first_new_batch * spec.batch_groups + resume->refilled);
     recipe::keep_steps_up_to(spec.run_dir / "metrics.jsonl", resume->step);
     recipe::keep_steps_up_to(spec.run_dir / "failures.jsonl", resume->step);
     std::cout << "troupe run: resumed from " << resume->dir.string() << " (step " << resume->step << ", "

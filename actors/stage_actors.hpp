@@ -20,9 +20,10 @@
 
 namespace troupe {
 
-// Answers (next, n, batch) with batch `batch`'s n prompts, numbered with tickets batch * n + i.
+// Answers (next, n, batch) with the data stream's next n prompts for batch `batch`, each
+// ticketed with its place in the stream, counted from `first_ticket` (a resumed run's cursor).
 using PromptSourceFn = std::function<std::vector<PromptItem>(int64_t n)>;
-data_actor spawn_data(caf::actor_system& system, PromptSourceFn next_prompts);
+data_actor spawn_data(caf::actor_system& system, PromptSourceFn next_prompts, int64_t first_ticket);
 
 rollout_sink spawn_reward(caf::actor_system& system, std::shared_ptr<const CombinedReward> reward,
                           std::optional<Tokenizer> tokenizer, rollout_sink next);

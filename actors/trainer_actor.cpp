@@ -1,7 +1,8 @@
 // The trainer actor: buffers rollout groups by credit batch, trains each complete batch in
 // ticket order with the run's RL recipe, checks the staleness bound, writes each new version
 // to the weight plane and tells the controller, checkpoints, and reports every step with its
-// trained and failed tickets.
+// trained, filtered and failed tickets. With dynamic sampling it filters groups whose rewards
+// tie and asks the controller for prompts to take their places.
 #include "actors/trainer_actor.hpp"
 
 #include <chrono>
@@ -39,6 +40,10 @@ struct TrainerActorState {
   std::ofstream failures;  // run_dir/failures.jsonl: one line per failed group
   std::map<int64_t, std::vector<RolloutGroup>> buffer;  // credit batch -> its finished groups
   int64_t next_batch = 0;
+  // Dynamic sampling: prompts drawn for a batch beyond its batch_groups, and in how many rounds;
+  // and such prompts drawn in the whole run (checkpointed: the data cursor counts them).
+  std::map<int64_t, int64_t> refills, rounds;
+  int64_t refilled = 0;
   // Every ticket that has arrived: a prompt re-issued after its generator went away may come
   // back twice (the first copy was already on its way); the second is dropped.
   std::set<int64_t> arrived;
@@ -51,26 +56,38 @@ struct TrainerActorState {
 
 using Self = trainer_actor::stateful_pointer<TrainerActorState>;
 
+// A group dynamic sampling filters: every completion scored alike, so no advantage to learn from.
+bool rewards_tie(const RolloutGroup& g) {
+  return g.error.empty() && std::adjacent_find(g.reward.begin(), g.reward.end(), std::not_equal_to<>()) == g.reward.end();
+}
+
 // Metrics of a step; `m` is empty when nothing was trained, and the loss and rewards are then null.
+// Rewards are the batch's as sampled: the trained groups and the filtered ones.
 nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vector<RolloutGroup>& groups,
-                            int64_t trained_at, double step_s, double wait_s) {
+                            const std::vector<RolloutGroup>& filtered, int64_t trained_at, double step_s, double wait_s) {
   nlohmann::json j;
   std::map<std::string, std::pair<double, int64_t>> by_name;
-  double staleness_sum = 0;
-  int64_t staleness_max = 0, completion_tokens = 0;
+  double staleness_sum = 0, reward_sum = 0;
+  int64_t staleness_max = 0, completion_tokens = 0, completions = 0, mixed = 0;
   for (const auto& g : groups) {
     int64_t oldest = *std::min_element(g.min_version.begin(), g.min_version.end());
     staleness_sum += trained_at - oldest;
     staleness_max = std::max(staleness_max, trained_at - oldest);
-    for (const auto& [name, scores] : g.rewards)
-      for (double s : scores) {
-        by_name[name].first += s;
-        by_name[name].second += 1;
-      }
-    for (const auto& c : g.completion_ids) completion_tokens += c.size();
+    for (int64_t i = 0; i < g.size(); ++i) mixed += g.min_version[i] != g.max_version[i];
   }
+  for (const auto* list : {&groups, &filtered})
+    for (const auto& g : *list) {
+      for (const auto& [name, scores] : g.rewards)
+        for (double s : scores) {
+          by_name[name].first += s;
+          by_name[name].second += 1;
+        }
+      for (double r : g.reward) reward_sum += r;
+      completions += g.size();
+      for (const auto& c : g.completion_ids) completion_tokens += c.size();
+    }
   if (m) {
-    j["reward/mean"] = m->reward_mean;
+    j["reward/mean"] = filtered.empty() ? m->reward_mean : reward_sum / completions;
     for (const auto& [name, sum] : by_name) j["reward/" + name + "/mean"] = sum.first / std::max<int64_t>(sum.second, 1);
     j["loss"] = m->loss;
     j["kl"] = m->kl;
@@ -96,6 +113,7 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
   }
   j["staleness/mean"] = groups.empty() ? 0.0 : staleness_sum / groups.size();
   j["staleness/max"] = staleness_max;
+  j["rollouts/mixed_versions"] = mixed;  // trained completions sampled by more than one version (partial_rollouts continue)
   j["time/step_s"] = step_s;
   j["time/generate_wait_s"] = wait_s;
   j["tokens_per_s"] = completion_tokens / std::max(step_s + wait_s, 1e-9);
@@ -156,8 +174,9 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   const GraphSpec& spec = *st.spec;
   // In ticket order, so the step does not depend on the order groups arrived in.
   std::sort(batch.begin(), batch.end(), [](const auto& a, const auto& b) { return a.ticket < b.ticket; });
-  std::vector<RolloutGroup> groups, failed;
-  for (auto& g : batch) (g.error.empty() ? groups : failed).push_back(std::move(g));
+  std::vector<RolloutGroup> groups, failed, filtered;
+  for (auto& g : batch)
+    (!g.error.empty() ? failed : spec.dynamic_sampling && rewards_tie(g) ? filtered : groups).push_back(std::move(g));
   const int64_t t = st.policy_version;
   const int64_t step = st.next_batch + 1;
   check_staleness(spec, groups, t);
@@ -186,35 +205,64 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   if (!spec.run_dir.empty() &&
       (step == spec.steps || stop_here || (spec.checkpoint_every > 0 && step % spec.checkpoint_every == 0))) {
     if (st.ranks) st.ranks->send({RankCommand::Op::checkpoint, {}, checkpoint_dir(spec, step)});
-    st.checkpoints->start(*st.recipe, step, st.policy_version, st.buffer);
+    st.checkpoints->start(*st.recipe, step, st.policy_version, st.buffer, st.refilled);
   }
   st.idle_since = Clock::now();
   double step_s = std::chrono::duration<double>(st.idle_since - start).count();
-  auto j = step_metrics(update ? std::optional(update->metrics) : std::nullopt, groups, t, step_s, wait_s);
+  auto j = step_metrics(update ? std::optional(update->metrics) : std::nullopt, groups, filtered, t, step_s, wait_s);
   j["step"] = step;
   j["policy_version"] = st.policy_version;
   j.update(extra);
   j["rollouts/trained"] = groups.size();
   j["rollouts/failed"] = failed.size();
+  if (spec.dynamic_sampling) {
+    j["rollouts/filtered"] = filtered.size();
+    j["dynamic_sampling/rounds"] = st.rounds[st.next_batch];  // refills this batch took
+    if (update) j["reward/trained_mean"] = update->metrics.reward_mean;  // ties left out
+  }
   j["rollouts/duplicates_dropped"] = st.duplicates;
   st.duplicates = 0;
   if (sent) {
     j["weights/bytes"] = sent->bytes;
     j["time/weights_write_s"] = sent->write_s;
   }
-  StepReport report{step, j.dump(), {}, {}};
+  StepReport report{step, j.dump(), {}, {}, {}};
   for (const auto& g : groups) report.trained.push_back(g.ticket);
   for (const auto& g : failed) report.failed.push_back(g.ticket);
+  for (const auto& g : filtered) report.filtered.push_back(g.ticket);
   self->send(st.controller, std::move(report));
+  st.refills.erase(st.next_batch);
+  st.rounds.erase(st.next_batch);
   ++st.next_batch;
   tell_stopped(self);
 }
 
+// Dynamic sampling: the groups batch `b` still lacks once every group handed out for it is back
+// (its filtered groups not yet replaced), or 0 when it trains as it is: full, or out of rounds.
+int64_t lacking(const TrainerActorState& st, int64_t b, const std::vector<RolloutGroup>& arrived) {
+  if (!st.spec->dynamic_sampling) return 0;
+  auto rounds = st.rounds.find(b);
+  if (rounds != st.rounds.end() && rounds->second >= st.spec->dynamic_sampling_rounds) return 0;
+  return std::count_if(arrived.begin(), arrived.end(), rewards_tie) - (st.refills.contains(b) ? st.refills.at(b) : 0);
+}
+
+// Trains the next batch while it is complete. Refills are asked for the next batch only, after
+// the previous step's report: the data stream's order (and so a deterministic run) does not
+// depend on timing, and a checkpoint knows every prompt drawn before it (graph_checkpoint.hpp).
 void train_ready(Self self) {
   auto& st = self->state;
-  for (auto it = st.buffer.find(st.next_batch);
-       st.stop_at < 0 && it != st.buffer.end() && static_cast<int64_t>(it->second.size()) >= st.spec->batch_groups;
-       it = st.buffer.find(st.next_batch)) {
+  while (st.stop_at < 0) {
+    const int64_t b = st.next_batch;
+    auto it = st.buffer.find(b);
+    const int64_t handed_out = st.spec->batch_groups + (st.refills.contains(b) ? st.refills.at(b) : 0);
+    if (it == st.buffer.end() || static_cast<int64_t>(it->second.size()) < handed_out) return;
+    if (const int64_t n = lacking(st, b, it->second); n > 0) {
+      st.refills[b] += n;
+      st.rounds[b] += 1;
+      st.refilled += n;
+      self->send(st.controller, refill_atom::value, b, n);
+      return;
+    }
     auto batch = std::move(it->second);
     st.buffer.erase(it);
     train_batch(self, std::move(batch));
@@ -226,6 +274,7 @@ void restore(TrainerActorState& st, const GraphResume& r) {
   restore_recipe(*st.recipe, *st.spec, r);
   st.policy_version = r.policy_version;
   st.next_batch = r.step;
+  st.refilled = r.refilled;
   for (const auto& g : r.groups) {
     st.buffer[g.batch].push_back(g);
     st.arrived.insert(g.ticket);

@@ -12,6 +12,7 @@ void write_trainer_state(const std::filesystem::path& dir, const TrainerState& s
   if (s.rollout_batches) {
     j["rollout_batches"] = {s.rollout_batches->first, s.rollout_batches->second};
     j["rollouts"] = s.rollouts;
+    j["refilled"] = s.refilled;
   } else {
     j["cursor"] = s.cursor;
   }
@@ -41,6 +42,7 @@ TrainerState read_trainer_state(const std::filesystem::path& dir) {
     if (j.contains("rollout_batches")) {
       s.rollout_batches = {j["rollout_batches"].at(0).get<int64_t>(), j["rollout_batches"].at(1).get<int64_t>()};
       j.at("rollouts").get_to(s.rollouts);
+      s.refilled = j.value("refilled", int64_t{0});  // absent before dynamic sampling: none
     }
   } catch (const nlohmann::json::exception& e) {
     throw Error(file.string() + ": " + e.what() + expected);

@@ -11,6 +11,8 @@
 //   cursor          trainer-alone recipes (sft, lora, dpo): {"epoch", "position"} of the data
 //   rollout_batches RL recipes: the batches [begin, end) released but not trained at `step`,
 //   rollouts        and the file holding their groups (rollouts.msgpack)
+//   refilled        RL recipes: prompts drawn to replace filtered groups (dynamic sampling) so
+//                   far; the data source resumes at end * batch_groups + refilled prompts
 #pragma once
 
 #include <cstdint>
@@ -30,6 +32,7 @@ struct TrainerState {
   nlohmann::json cursor = nlohmann::json::object();
   std::optional<std::pair<int64_t, int64_t>> rollout_batches;
   std::string rollouts;
+  int64_t refilled = 0;
 };
 
 void write_trainer_state(const std::filesystem::path& dir, const TrainerState& state);

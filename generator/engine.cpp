@@ -33,6 +33,7 @@ struct Engine::Sequence {
   at::Generator generator;
   std::vector<int32_t> ids;
   std::vector<float> logprobs;
+  std::vector<int64_t> versions;  // [ids] the version that sampled each
   int64_t cached = 0;  // tokens whose keys/values are in the slot; ids.back() is not yet
   bool stale = false;  // the slot's keys/values predate a weight update
   int64_t slot = -1;
@@ -314,6 +315,7 @@ void Engine::prefill(std::vector<Sequence*> group) {
     seq.min_version = seq.max_version = version_;
     seq.ids.push_back(next[i]);
     seq.logprobs.push_back(logprobs[i]);
+    seq.versions.push_back(version_);
     if (check_finished(seq)) {
       finished_.push_back(finish(seq, seq.stop_token || seq.stop_string ? FinishReason::stop : FinishReason::length));
       slots_[seq.slot].reset();
@@ -365,6 +367,7 @@ void Engine::decode() {
     seq.cached += 1;
     seq.ids.push_back(next[i]);
     seq.logprobs.push_back(logprobs[i]);
+    seq.versions.push_back(version_);
     seq.min_version = std::min(seq.min_version, version_);
     seq.max_version = std::max(seq.max_version, version_);
     if (check_finished(seq)) {
@@ -415,6 +418,7 @@ Completion Engine::finish(Sequence& seq, FinishReason reason) {
   c.stop_string = seq.stop_string;
   c.min_version = seq.min_version;
   c.max_version = seq.max_version;
+  c.versions = std::move(seq.versions);
   if (tokenizer_) {
     c.text = tokenizer_->decode(c.ids, /*skip_special_tokens=*/true);
     if (c.stop_string) c.text.resize(std::min(c.text.size(), seq.stop_text_end));
@@ -439,6 +443,9 @@ std::vector<Completion> Engine::generate(const std::vector<std::vector<int32_t>>
 }
 
 void Engine::update_weights(const std::map<std::string, torch::Tensor>& weights, int64_t version) {
+  if (options_.partial_rollouts == PartialRollouts::finish && has_work())
+    throw Error("weight update: partial_rollouts finish takes new weights only once the engine has no sequence left (" +
+                std::to_string(running()) + " running, " + std::to_string(waiting()) + " waiting)");
   auto params = model_->named_parameters(/*recurse=*/true);
   for (const auto& [name, t] : weights) {
     const torch::Tensor* p = params.find(name);
@@ -454,7 +461,7 @@ void Engine::update_weights(const std::map<std::string, torch::Tensor>& weights,
     for (const auto& [name, t] : weights) params[name].copy_(t);
   }
   version_ = version;
-  if (!options_.restart_on_weight_update) {
+  if (options_.partial_rollouts != PartialRollouts::abort) {
     for (auto& seq : slots_)
       if (seq) seq->stale = true;
     return;
@@ -465,6 +472,7 @@ void Engine::update_weights(const std::map<std::string, torch::Tensor>& weights,
     auto& seq = **it;
     seq.ids.clear();
     seq.logprobs.clear();
+    seq.versions.clear();
     seq.cached = 0;
     seq.slot = -1;
     seq.stop_token.reset();

@@ -14,6 +14,7 @@
 #include <ATen/core/Generator.h>
 #include <torch/types.h>
 
+#include "generator/partial_rollouts.hpp"
 #include "generator/sampling.hpp"
 #include "policy/tokenizer.hpp"
 #include "policy/transformer.hpp"
@@ -35,15 +36,16 @@ struct Completion {
   std::string text;                 // decoded completion (stop string cut per the params); empty without tokenizer
   int64_t min_version = 0;          // policy versions of the weights that produced its tokens
   int64_t max_version = 0;
+  std::vector<int64_t> versions;    // [L] the policy version that sampled ids[i]
 };
 
 struct EngineOptions {
   int64_t max_batch = 32;     // decode slots: sequences generated together
   int64_t max_seq_len = 2048; // prompt + completion tokens a slot holds
-  // On update_weights: false lets running sequences continue, their caches recomputed under
-  // the new weights (their versions record the change); true discards their tokens and
-  // requeues them, so each completion comes from one version.
-  bool restart_on_weight_update = false;
+  // On update_weights, the sequences in progress (generator/partial_rollouts.hpp): continue
+  // under the new weights, or abort (their tokens dropped, requeued). finish: the owner calls
+  // update_weights only once has_work() is false; earlier is an Error, nothing copied.
+  PartialRollouts partial_rollouts = PartialRollouts::continue_;
   uint64_t seed = 0;          // for requests without their own seed
 };
 

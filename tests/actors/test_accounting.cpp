@@ -1,6 +1,7 @@
 // Rollout accounting through the actor graph: every prompt handed out is trained on exactly
 // once or reported as failed, when a reward plugin throws and when the HTTP reward service is
 // down, slow (retried) or answers garbage. Failures are logged, the run goes on, nothing crashes.
+// With dynamic sampling, a third outcome: filtered (the group's rewards tied), never trained.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -43,7 +44,7 @@ struct Run {
 // A few GRPO steps of the tiny Llama on "a+b=" prompts whose metadata carries a mode chosen
 // by `mode_of(k)` for the k-th prompt handed out.
 Run run(std::shared_ptr<CombinedReward> reward, std::function<Mode(int64_t)> mode_of, const std::string& name,
-        int64_t steps = 6, int64_t eta = 1) {
+        int64_t steps = 6, int64_t eta = 1, std::function<void(GraphSpec&)> adjust = {}) {
   Tokenizer tokenizer = Tokenizer::load(test::data() / "tokenizers" / "qwen3");
   auto counts = std::make_shared<std::map<Mode, int64_t>>();
   auto handed = std::make_shared<int64_t>(0);
@@ -75,6 +76,7 @@ Run run(std::shared_ptr<CombinedReward> reward, std::function<Mode(int64_t)> mod
   spec.model_config = ModelConfig::from_file(test::fixtures() / "hf_models" / "llama3" / "config.json");
   spec.model_source = test::fixtures() / "hf_models" / "llama3";
   spec.quiet = true;
+  if (adjust) adjust(spec);
   std::filesystem::remove_all(spec.run_dir);
   Run r{run_graph(spec), *counts, {}};
   std::ifstream in(spec.run_dir / "failures.jsonl");
@@ -82,20 +84,27 @@ Run run(std::shared_ptr<CombinedReward> reward, std::function<Mode(int64_t)> mod
   return r;
 }
 
-// Every ticket handed out is in trained or failed, exactly once; the per-step counts in the
-// metrics add up to the same totals.
+// Every ticket handed out is in trained, filtered or failed, exactly once; the per-step counts
+// in the metrics add up to the same totals. Without dynamic sampling nothing is filtered and
+// exactly steps x batch_groups prompts are handed out.
 void check_accounting(const Run& r, int64_t steps, int64_t batch_groups, int64_t expect_failed) {
   INFO(r.result.error);
   REQUIRE(r.result.ok);
   REQUIRE(r.result.metrics.size() == static_cast<size_t>(steps));
   auto issued = r.result.issued;
   std::sort(issued.begin(), issued.end());
-  CHECK(issued.size() == static_cast<size_t>(steps * batch_groups));
+  // Each filtered group is replaced by a new prompt, except in a batch out of refill rounds.
+  CHECK(issued.size() >= static_cast<size_t>(steps * batch_groups));
+  CHECK(issued.size() <= static_cast<size_t>(steps * batch_groups) + r.result.filtered.size());
   CHECK(std::adjacent_find(issued.begin(), issued.end()) == issued.end());
   std::vector<int64_t> done = r.result.trained;
   done.insert(done.end(), r.result.failed.begin(), r.result.failed.end());
+  done.insert(done.end(), r.result.filtered.begin(), r.result.filtered.end());
   std::sort(done.begin(), done.end());
   CHECK(done == issued);  // each once: no loss, no double count
+  int64_t filtered = 0;
+  for (const auto& j : r.result.metrics) filtered += j.value("rollouts/filtered", int64_t{0});
+  CHECK(filtered == static_cast<int64_t>(r.result.filtered.size()));
   CHECK(static_cast<int64_t>(r.result.failed.size()) == expect_failed);
   int64_t trained = 0, failed = 0;
   for (const auto& j : r.result.metrics) {
@@ -155,6 +164,26 @@ struct FakeRewardService {
   std::string url() const { return "http://127.0.0.1:" + std::to_string(port) + "/score"; }
 };
 
+// Dynamic sampling's test reward: 1 for every completion of a prompt whose uid is a multiple of
+// 3 (its group always ties), else the parity of the completion's text (mixed in most groups).
+// It keeps each prompt's scores by uid, so the test judges ties by what was actually scored.
+struct RecordingReward : RewardFn {
+  bool all_tie = false;  // every prompt scores 1
+  mutable std::mutex mu;
+  mutable std::map<int64_t, std::vector<double>> scores;
+  double score(const RewardSample& s) const override {
+    const int64_t uid = s.metadata["uid"].get<int64_t>();
+    const double v = all_tie || uid % 3 == 0 ? 1.0 : static_cast<double>(std::hash<std::string>{}(s.completion) % 2);
+    std::lock_guard lock(mu);
+    scores[uid].push_back(v);
+    return v;
+  }
+  bool ties(int64_t uid) const {
+    const auto& v = scores.at(uid);
+    return std::adjacent_find(v.begin(), v.end(), std::not_equal_to<>()) == v.end();
+  }
+};
+
 RewardSpec http_spec(const std::string& url) {
   return {.name = "service", .kind = "http", .url = url, .timeout_s = 0.5, .retries = 2, .backoff_s = 0.05};
 }
@@ -207,5 +236,47 @@ TEST_CASE("an HTTP reward service that is slow (retried), answers garbage (faile
     REQUIRE(!r.failures.empty());
     CHECK(r.failures[0]["error"].get<std::string>().find(url) != std::string::npos);
     CHECK(r.failures[0]["error"].get<std::string>().find("after 3 attempts") != std::string::npos);
+  }
+}
+
+TEST_CASE("dynamic sampling: no group whose rewards tie is trained; new prompts fill each batch; nothing is lost") {
+  torch::manual_seed(0);
+  auto recorder = std::make_shared<RecordingReward>();
+  auto reward = std::make_shared<CombinedReward>(std::vector<WeightedReward>{{"parity", 1.0, recorder}});
+  const int64_t steps = 6, batch_groups = 4;
+  auto r = run(reward, [](int64_t) { return Mode::ok; }, "dynamic", steps, 1,
+               [](GraphSpec& spec) { spec.dynamic_sampling = true; });
+  check_accounting(r, steps, batch_groups, 0);
+  // A ticket is the prompt's place in the data stream, which is the uid the test's data gave it.
+  for (int64_t t : r.result.trained) CHECK_MESSAGE(!recorder->ties(t), "trained ticket " << t << " tied");
+  for (int64_t t : r.result.filtered) CHECK_MESSAGE(recorder->ties(t), "filtered ticket " << t << " did not tie");
+  int64_t multiples_of_3 = 0;
+  for (int64_t t : r.result.issued) multiples_of_3 += t % 3 == 0;
+  CHECK(static_cast<int64_t>(r.result.filtered.size()) >= multiples_of_3);  // every one of them, and chance ties
+  // Each batch was filled back to batch_groups trained groups, with one new prompt per filtered group.
+  for (const auto& j : r.result.metrics) CHECK(j["rollouts/trained"].get<int64_t>() == batch_groups);
+  CHECK(r.result.issued.size() == static_cast<size_t>(steps * batch_groups) + r.result.filtered.size());
+  CHECK(r.result.metrics.back()["policy_version"].get<int64_t>() == steps);
+  MESSAGE("dynamic sampling: " << r.result.issued.size() << " prompts issued for " << steps * batch_groups << " trained groups, "
+                               << r.result.filtered.size() << " filtered");
+}
+
+TEST_CASE("dynamic sampling: a batch out of refill rounds trains what it has (here nothing); every prompt is accounted for") {
+  torch::manual_seed(0);
+  auto recorder = std::make_shared<RecordingReward>();
+  recorder->all_tie = true;
+  auto reward = std::make_shared<CombinedReward>(std::vector<WeightedReward>{{"ones", 1.0, recorder}});
+  auto r = run(reward, [](int64_t) { return Mode::ok; }, "dynamic_rounds", 3, 1, [](GraphSpec& spec) {
+    spec.dynamic_sampling = true;
+    spec.dynamic_sampling_rounds = 2;
+  });
+  check_accounting(r, 3, 4, 0);
+  CHECK(r.result.trained.empty());
+  CHECK(r.result.issued.size() == 3 * 4 * 3);  // each batch: its 4 prompts, then two rounds of 4 more
+  for (const auto& j : r.result.metrics) {
+    CHECK(j["rollouts/filtered"].get<int64_t>() == 12);
+    CHECK(j["dynamic_sampling/rounds"].get<int64_t>() == 2);
+    CHECK(j["loss"].is_null());
+    CHECK(j["policy_version"].get<int64_t>() == 0);
   }
 }

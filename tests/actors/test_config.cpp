@@ -346,6 +346,33 @@ TEST_CASE("the RL objective, advantage and correction keys: read, written back, 
   CHECK(error_of(kBase, {"recipe=online_dpo", "trainer.loss.beta=0.1", "trainer.loss.objective=cispo"}) ==
         "configs/x.yaml, override 'trainer.loss.objective=cispo': trainer.loss.objective: recipe online_dpo has no "
         "policy-gradient objective");
+  // Dynamic sampling: grpo and reinforce only, groups of two or more, rounds only with it on.
+  auto ds = parse_run_config(kBase, "configs/x.yaml", {"trainer.dynamic_sampling=true", "trainer.dynamic_sampling_rounds=3"});
+  CHECK(ds.trainer.dynamic_sampling);
+  CHECK(ds.trainer.dynamic_sampling_rounds == 3);
+  CHECK(parse_run_config(to_yaml(ds), "runs/x/config.yaml") == ds);
+  CHECK(error_of(kBase, {"recipe=ppo", "trainer.dynamic_sampling=true"}) ==
+        "configs/x.yaml, override 'trainer.dynamic_sampling=true': trainer.dynamic_sampling: recipe ppo does not filter "
+        "groups (only grpo and reinforce do: a group whose rewards tie has no advantage there)");
+  CHECK(error_of(kBase, {"trainer.dynamic_sampling=true", "generator.group_size=1"}) ==
+        "configs/x.yaml, override 'generator.group_size=1': generator.group_size: must be >= 2 with "
+        "trainer.dynamic_sampling (one completion always ties with itself), got 1");
+  CHECK(error_of(kBase, {"trainer.dynamic_sampling_rounds=3"}) ==
+        "configs/x.yaml, override 'trainer.dynamic_sampling_rounds=3': trainer.dynamic_sampling_rounds: only used "
+        "with dynamic_sampling: true");
+  CHECK(error_of(kBase, {"trainer.dynamic_sampling=true", "trainer.dynamic_sampling_rounds=0"}).ends_with(
+        "trainer.dynamic_sampling_rounds: must be >= 1, got 0"));
+  // Partial rollouts: continue by default; finish and abort by name; built-in engines only.
+  CHECK(parse_run_config(kBase, "configs/x.yaml").generator.partial_rollouts == PartialRollouts::continue_);
+  auto pr = parse_run_config(kBase, "configs/x.yaml", {"generator.partial_rollouts=finish"});
+  CHECK(pr.generator.partial_rollouts == PartialRollouts::finish);
+  CHECK(parse_run_config(to_yaml(pr), "runs/x/config.yaml") == pr);
+  CHECK(error_of(kBase, {"generator.partial_rollouts=resume"}) ==
+        "configs/x.yaml, override 'generator.partial_rollouts=resume': generator.partial_rollouts: expected one of "
+        "continue, finish, abort, got \"resume\"");
+  CHECK(error_of(kBase, {"generator.engine=remote", "generator.url=http://h:1", "generator.partial_rollouts=abort"}) ==
+        "configs/x.yaml, override 'generator.partial_rollouts=abort': generator.partial_rollouts: only used with engine: "
+        "builtin (a server's batch takes new weights once it is done)");
 }
 
 TEST_CASE("malformed YAML is a troupe::Error with file and line") {

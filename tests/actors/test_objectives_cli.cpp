@@ -129,3 +129,36 @@ TEST_CASE("mismatch/kl: float rounding with float32 engines, and reported when t
   CHECK(worst_f32 < 1e-10);   // the same weights: only the order of float32 sums differs
   CHECK(least_bf16 > 1e-7);   // bfloat16 rounding of weights and activations
 }
+
+TEST_CASE("partial rollouts: continue mixes versions inside completions within eta; finish and abort never mix") {
+  // Not deterministic (that mode holds weights back like finish), no warm-up: the random model
+  // writes all 48 tokens, so new weights (one version per step) land mid-generation.
+  auto task = fixtures() / "arithmetic";
+  const std::string common = "model.path=" + shell_quote((task / "model").string()) + " data.train.path=" +
+                             shell_quote((task / "train.jsonl").string()) +
+                             " trainer.steps=12 trainer.sft_warmup=null trainer.batch_groups=2 generator.group_size=4"
+                             " generator.max_tokens=48 generator.max_seq_len=56 async.max_staleness=1"
+                             " generator.threads=1 trainer.threads=1";
+  for (const char* mode : {"continue", "finish", "abort"}) {
+    CAPTURE(mode);
+    auto dir = fixtures() / (std::string("partial_") + mode);
+    fs::remove_all(dir);
+    auto r = run_command(bounded(600, troupe_run("tiny_arithmetic_grpo", common + " generator.partial_rollouts=" + mode +
+                                                                           " run.dir=" + shell_quote(dir.string()))) +
+                         " 2>&1");
+    REQUIRE_MESSAGE(r.status == 0, r.out);
+    auto m = metrics(dir);
+    REQUIRE(m.size() == 12u);
+    int64_t mixed = 0;
+    for (const auto& j : m) {
+      mixed += j["rollouts/mixed_versions"].get<int64_t>();
+      CHECK(j["staleness/max"].get<int64_t>() <= 1);  // counted from each completion's oldest token
+    }
+    MESSAGE("partial_rollouts " << std::string(mode) << ": " << mixed << " of " << 12 * 2 * 4 << " trained completions mixed versions");
+    if (std::string(mode) == "continue") {
+      CHECK(mixed > 0);
+    } else {
+      CHECK(mixed == 0);
+    }
+  }
+}

@@ -29,13 +29,14 @@ namespace {
 // metrics.jsonl and resumed; compares the final weights (`weights` inside the last checkpoint)
 // and every step's `keys`.
 void check_resume(const std::string& config, const std::string& data, const std::string& extra, int64_t steps,
-                  const std::vector<std::string>& weights, const std::vector<std::string>& keys) {
+                  const std::vector<std::string>& weights, const std::vector<std::string>& keys,
+                  const std::string& tag = "") {
   auto task = fixtures() / "arithmetic";
   std::string common = "model.path=" + shell_quote((task / "model").string()) + " data.train.path=" +
                        shell_quote((task / data).string()) + " trainer.steps=" + std::to_string(steps) +
                        " run.checkpoint_every=5 run.deterministic=true " + extra;
-  auto straight = fixtures() / ("resume_" + config + "_straight");
-  auto killed = fixtures() / ("resume_" + config + "_killed");
+  auto straight = fixtures() / ("resume_" + config + tag + "_straight");
+  auto killed = fixtures() / ("resume_" + config + tag + "_killed");
   fs::remove_all(straight);
   fs::remove_all(killed);
   auto r = run_command(troupe_run(config, common + " run.dir=" + shell_quote(straight.string())) + " 2>&1");
@@ -112,6 +113,23 @@ TEST_CASE("async grpo (eta = 1) killed and resumed: buffered rollouts survive; s
   auto state = nlohmann::json::parse(std::ifstream(dir / "trainer_state.json"));
   CHECK(state["rollout_batches"] == nlohmann::json::array({5, 6}));
   CHECK(fs::file_size(dir / "rollouts.msgpack") > 0);
+}
+
+TEST_CASE("async grpo with dynamic sampling killed and resumed: the refills drawn before the checkpoint are not drawn again") {
+  auto format = fixtures() / "arithmetic" / "format.jsonl";
+  // Groups of 4 tie often (all wrong early, all right later), so most batches draw refills.
+  check_resume("tiny_arithmetic_grpo", "train.jsonl",
+               "trainer.sft_warmup.path=" + shell_quote(format.string()) + " trainer.dynamic_sampling=true generator.group_size=4",
+               30, {"model.safetensors"}, {"loss", "reward/mean", "rollouts/filtered", "dynamic_sampling/rounds"}, "_dynamic");
+  int64_t filtered = 0;
+  for (const auto& j : metrics(fixtures() / "resume_tiny_arithmetic_grpo_dynamic_straight")) {
+    filtered += j["rollouts/filtered"].get<int64_t>();
+    CHECK(j["rollouts/trained"].get<int64_t>() + j["rollouts/failed"].get<int64_t>() <= 16);
+  }
+  CHECK(filtered > 0);
+  auto state = nlohmann::json::parse(
+      std::ifstream(fixtures() / "resume_tiny_arithmetic_grpo_dynamic_killed" / "checkpoints" / "step_30" / "trainer_state.json"));
+  CHECK(state["refilled"].get<int64_t>() > 0);
 }
 
 TEST_CASE("async ppo killed and resumed: the value head and its optimizer state come back too") {

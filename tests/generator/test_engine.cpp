@@ -164,7 +164,7 @@ TEST_CASE("a weight update mid-run changes the tokens that follow and records bo
   }
   SamplingParams params{.temperature = 0.9, .max_tokens = 16, .ignore_eos = true, .seed = 11};
 
-  SUBCASE("running sequences continue and record the version change") {
+  SUBCASE("partial_rollouts continue: running sequences go on, each token tagged with the version that sampled it") {
     Engine engine(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 64});
     engine.add_request(prompts()[0], params);
     for (int i = 0; i < 6; ++i) CHECK(engine.step().empty());  // step 1 prefills and decodes: 7 tokens
@@ -175,16 +175,33 @@ TEST_CASE("a weight update mid-run changes the tokens that follow and records bo
     const auto& c = out[0];
     CHECK(c.min_version == 0);
     CHECK(c.max_version == 1);
-    // Tokens 0..6 came from the old weights (now gone from `m`, so recompute with a fresh
-    // copy), tokens 7.. from the new ones, the cache having been recomputed.
+    REQUIRE(c.versions.size() == c.ids.size());
+    for (size_t i = 0; i < c.ids.size(); ++i) CHECK(c.versions[i] == (i < 7 ? 0 : 1));
+    // Each token's log-prob is a fresh decode of the same prefix by the version it is tagged
+    // with: version 0's weights (now gone from `m`, so a fresh copy) or version 1's, the cache
+    // having been recomputed under them.
     auto old_model = tiny();
     auto old_lp = recompute_logprobs(*old_model.model, c, params.temperature);
     auto new_lp = recompute_logprobs(*fresh.model, c, params.temperature);
-    for (size_t i = 0; i < c.ids.size(); ++i) CHECK(std::abs(c.logprobs[i] - (i < 7 ? old_lp[i] : new_lp[i])) < 1e-4);
+    for (size_t i = 0; i < c.ids.size(); ++i) CHECK(std::abs(c.logprobs[i] - (c.versions[i] == 0 ? old_lp[i] : new_lp[i])) < 1e-4);
     CHECK(max_diff(old_lp, new_lp) > 1e-3);  // the update really changed the distribution
   }
-  SUBCASE("restart mode regenerates running sequences on the new weights") {
-    Engine engine(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 64, .restart_on_weight_update = true});
+  SUBCASE("partial_rollouts finish: new weights are refused while a sequence is in progress, taken once none is") {
+    Engine engine(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 64, .partial_rollouts = PartialRollouts::finish});
+    engine.add_request(prompts()[0], params);
+    engine.step();
+    CHECK_THROWS_WITH_AS(engine.update_weights(update, 1), doctest::Contains("1 running, 0 waiting"), Error);
+    CHECK(engine.version() == 0);
+    std::vector<Completion> out;
+    while (out.empty()) out = engine.step();
+    CHECK(out[0].versions == std::vector<int64_t>(out[0].ids.size(), 0));
+    auto old_model = tiny();
+    CHECK(max_diff(out[0].logprobs, recompute_logprobs(*old_model.model, out[0], params.temperature)) < 1e-4);
+    engine.update_weights(update, 1);
+    CHECK(engine.version() == 1);
+  }
+  SUBCASE("partial_rollouts abort: running sequences start again on the new weights") {
+    Engine engine(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 64, .partial_rollouts = PartialRollouts::abort});
     engine.add_request(prompts()[0], params);
     for (int i = 0; i < 6; ++i) engine.step();
     engine.update_weights(update, 3);
@@ -192,6 +209,7 @@ TEST_CASE("a weight update mid-run changes the tokens that follow and records bo
     while (out.empty()) out = engine.step();
     CHECK(out[0].min_version == 3);
     CHECK(out[0].max_version == 3);
+    CHECK(out[0].versions == std::vector<int64_t>(out[0].ids.size(), 3));
     Engine on_new(fresh.model, std::nullopt, {.max_batch = 2, .max_seq_len = 64});
     CHECK(out[0].ids == on_new.generate({prompts()[0]}, params)[0].ids);
   }
