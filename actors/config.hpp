@@ -65,6 +65,10 @@ struct ModelSection {
   // float64: for exactness checks (slow).
   ModelDtype dtype = ModelDtype::float32;
   std::string device = "cpu";       // cpu, cuda or cuda:N
+  // Forward passes without autograd (built-in engines, the trainer's log pi_prox) through
+  // batch-invariant kernels: an engine's log-probs are bit for bit the trainer's at the same
+  // weights (CPU, float32 or float64; slower than MKL's GEMMs, see bench/).
+  bool batch_invariant = false;
   bool operator==(const ModelSection&) const = default;
 };
 
@@ -190,6 +194,9 @@ struct TrainerSection {
   // up with new prompts, at most dynamic_sampling_rounds times, then trains with what it has.
   bool dynamic_sampling = false;
   int64_t dynamic_sampling_rounds = 8;
+  // log pi_prox := the behaviour log-probs, no recomputation: only where they are exactly the
+  // trainer's (async.max_staleness 0, model.batch_invariant, built-in engines in model.dtype, no LoRA).
+  bool reuse_behaviour_logprobs = false;
   LossSection loss;
   std::optional<SftWarmupSection> sft_warmup;
   // sft, lora and dpo:

@@ -221,6 +221,23 @@ void check_placement(Map& top, RunConfig& c) {
                 "needs the RL graph's reference actor (reference.enabled, or trainer.loss.beta > 0)");
 }
 
+// The behaviour log-probs stand for log pi_prox only where they are exactly what the trainer
+// would compute: the same weights (eta 0), kernels, dtype and unmerged weights.
+void check_reuse(Map& top, const RunConfig& c) {
+  if (!c.trainer.reuse_behaviour_logprobs) return;
+  Map t = top.map("trainer");
+  const std::string key = "reuse_behaviour_logprobs";
+  t.check(c.recipe == Recipe::grpo || c.recipe == Recipe::reinforce, key, "only grpo and reinforce recompute log pi_prox");
+  t.check(c.async.max_staleness == 0, key,
+          "needs async.max_staleness: 0 (older rollouts were sampled by other weights than the trainer's)");
+  t.check(c.model.batch_invariant, key,
+          "needs model.batch_invariant: true (otherwise the engines' log-probs differ from the trainer's by float rounding)");
+  t.check(c.generator.engine == EngineKind::builtin, key, "needs generator.engine: builtin (a server's kernels are its own)");
+  t.check(c.generator.dtype == ModelDtype::automatic || c.generator.dtype == c.model.dtype, key,
+          "needs the engines in model.dtype (generator.dtype auto)");
+  t.check(!c.lora, key, "not with LoRA (generators hold the merged weights, which round otherwise than the adapters)");
+}
+
 // Between sections: seeds, checkpoints against syncs, what each recipe needs.
 void check_across(Map& top, RunConfig& c, bool data_seeded) {
   const bool graph = is_graph(c.recipe);
@@ -233,6 +250,11 @@ void check_across(Map& top, RunConfig& c, bool data_seeded) {
   if (c.recipe == Recipe::online_dpo)
     top.map("generator").check(c.generator.group_size >= 2, "group_size",
                                "must be >= 2 for recipe online_dpo (a pair per prompt)" + got(c.generator.group_size));
+  if (c.model.batch_invariant)
+    top.map("model").check(c.model.device == "cpu" && c.model.dtype != ModelDtype::bfloat16, "batch_invariant",
+                           "needs model.device cpu and model.dtype float32, float64 or auto (the batch-invariant kernels "
+                           "are CPU float32/float64)");
+  check_reuse(top, c);
   // Dynamic sampling drops groups whose rewards tie, which one completion always does.
   if (c.trainer.dynamic_sampling)
     top.map("generator").check(c.generator.group_size >= 2, "group_size",

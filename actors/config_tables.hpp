@@ -34,6 +34,7 @@ void fields(auto& v, Of<ModelSection> auto& c) {
   v("path", c.path, Required{"the model to train: a Hugging Face folder or a .gguf file"}, not_empty());
   v("dtype", c.dtype);
   v("device", c.device, TextRule{is_device, "expected cpu, cuda or cuda:N", true});
+  v("batch_invariant", c.batch_invariant);
 }
 
 void fields(auto& v, Of<LoraSection> auto& c) {
@@ -170,6 +171,7 @@ void fields(auto& v, Of<TrainerSection> auto& c) {
   v("dynamic_sampling", c.dynamic_sampling);
   v("dynamic_sampling_rounds", c.dynamic_sampling_rounds, OnlyWhen{c.dynamic_sampling, "only used with dynamic_sampling: true"},
     at_least(1));
+  v("reuse_behaviour_logprobs", c.reuse_behaviour_logprobs);
   v("threads", c.threads, at_least(0, "0: LibTorch's default"));
   v("batch_size", c.batch_size, at_least(1));
   v("max_length", c.max_length, at_least(2));

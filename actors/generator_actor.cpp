@@ -28,7 +28,7 @@ void from_json(const nlohmann::json& j, PartialRollouts& p) {
     }
   throw Error("partial_rollouts: unknown mode " + j.dump());
 }
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineOptions, max_batch, max_seq_len, partial_rollouts, seed)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineOptions, max_batch, max_seq_len, partial_rollouts, batch_invariant, seed)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SamplingParams, n, temperature, top_p, top_k, min_p, max_tokens, stop_token_ids, stop,
                                    include_stop_str_in_output, ignore_eos)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(GeneratorSpec, model, tokenizer, dtype, device, engine, sampling, seed, deterministic,

@@ -50,6 +50,8 @@ TrainerConfig trainer_config(const RunConfig& c) {
   out.dpo = {.beta = t.loss.beta, .label_smoothing = t.loss.label_smoothing};
   out.activation_checkpointing = t.activation_checkpointing;
   out.dpo_micro_pairs = t.micro_batch;
+  out.batch_invariant = c.model.batch_invariant;
+  out.reuse_behaviour_logprobs = t.reuse_behaviour_logprobs;
   return out;
 }
 

@@ -111,7 +111,8 @@ void set_generation(GraphSpec& spec, const RunConfig& c) {
   spec.generator_dtype = c.generator.dtype == ModelDtype::automatic ? spec.model_dtype : std::string(to_string(c.generator.dtype));
   spec.generator_device = c.model.device;
   spec.engine = {.max_batch = c.generator.max_batch, .max_seq_len = c.generator.max_seq_len,
-                 .partial_rollouts = c.generator.partial_rollouts, .seed = c.run.seed};
+                 .partial_rollouts = c.generator.partial_rollouts, .batch_invariant = c.model.batch_invariant,
+                 .seed = c.run.seed};
   spec.sampling = {.n = c.generator.group_size, .temperature = c.generator.temperature, .top_p = c.generator.top_p,
                    .top_k = c.generator.top_k, .min_p = c.generator.min_p, .max_tokens = c.generator.max_tokens,
                    .stop = c.generator.stop};
@@ -213,6 +214,9 @@ GraphSpec graph_spec(const RunConfig& c, const Tokenizer& tokenizer, std::shared
 GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_requested) {
   RunConfig c = given;
   c.model.dtype = recipe::resolve_model_dtype(c.model);  // runs/NAME/config.yaml records what auto chose
+  if (c.model.batch_invariant && c.model.dtype == ModelDtype::bfloat16)
+    throw Error("model.batch_invariant: model.dtype auto chose bfloat16 on this machine, and the batch-invariant kernels "
+                "run float32 or float64: set model.dtype: float32");
   switch (c.recipe) {
     case Recipe::sft:
     case Recipe::lora: return run_sft(c, stop_requested);

@@ -14,6 +14,7 @@
 int main(int argc, char** argv) {
   std::string model_path, prompts_path, dtype_name = "float32", device_name = "cpu";
   int64_t n = 8, max_tokens = 128, max_batch = 128;
+  bool batch_invariant = false;
   CLI::App app{"Time troupe's generation engine"};
   app.add_option("--model", model_path)->required();
   app.add_option("--prompts", prompts_path, "JSON list of token-id lists")->required();
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-batch", max_batch);
   app.add_option("--dtype", dtype_name);
   app.add_option("--device", device_name, "cpu or cuda[:N]");
+  app.add_flag("--batch-invariant", batch_invariant, "model.batch_invariant: the batch-invariant kernels (CPU)");
   CLI11_PARSE(app, argc, argv);
 
   auto dtype = dtype_name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
@@ -30,7 +32,8 @@ int main(int argc, char** argv) {
   auto prompts = nlohmann::json::parse(std::ifstream(prompts_path)).get<std::vector<std::vector<int32_t>>>();
   int64_t longest = 0;
   for (const auto& p : prompts) longest = std::max<int64_t>(longest, p.size());
-  troupe::Engine engine(m.model, std::nullopt, {.max_batch = max_batch, .max_seq_len = longest + max_tokens});
+  troupe::Engine engine(m.model, std::nullopt,
+                        {.max_batch = max_batch, .max_seq_len = longest + max_tokens, .batch_invariant = batch_invariant});
   troupe::SamplingParams params{.n = n, .temperature = 1.0, .max_tokens = max_tokens, .ignore_eos = true, .seed = 0};
   engine.generate({prompts[0]}, {.temperature = 0, .max_tokens = 4});  // warm-up
   auto start = std::chrono::steady_clock::now();

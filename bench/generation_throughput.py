@@ -3,7 +3,10 @@
 python bench/generation_throughput.py [--prompts 16 --n 8 --max-tokens 128] [--device cuda]
 Both sides sample n completions of the same chat-formatted GSM8K prompts (the same token
 ids), at temperature 1, to exactly max-tokens new tokens each (EOS ignored), in float32 on
-the same threads (or the same GPU); prints tokens/s for each and the ratio.
+the same threads (or the same GPU); prints tokens/s for each and the ratio. troupe's engine
+shares one prefill across a prompt's samples. --batch-invariant also times troupe with
+model.batch_invariant (the kernels that make its log-probs the trainer's bit for bit): the
+price of exactness, as a ratio to troupe's default kernels.
 """
 import argparse
 import json
@@ -27,6 +30,7 @@ def main():
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both sides")
+    p.add_argument("--batch-invariant", action="store_true", help="also time troupe with model.batch_invariant (CPU)")
     args = p.parse_args()
 
     if not os.path.exists(os.path.join(args.work, "config.json")):
@@ -40,11 +44,15 @@ def main():
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
-    out = subprocess.run([args.bench, "--model", args.work, "--prompts", f.name, "--n", str(args.n),
-                          "--max-tokens", str(args.max_tokens), "--max-batch", str(args.prompts * args.n),
-                          "--device", args.device],
-                         check=True, capture_output=True, text=True).stdout
-    ours = json.loads(out.strip().splitlines()[-1])
+    def troupe_side(*extra):
+        out = subprocess.run([args.bench, "--model", args.work, "--prompts", f.name, "--n", str(args.n),
+                              "--max-tokens", str(args.max_tokens), "--max-batch", str(args.prompts * args.n),
+                              "--device", args.device, *extra],
+                             check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    ours = troupe_side()
+    invariant = troupe_side("--batch-invariant") if args.batch_invariant else None
 
     device = torch.device(args.device)
     model = AutoModelForCausalLM.from_pretrained(args.work, dtype=torch.float32).to(device).eval()
@@ -73,6 +81,11 @@ def main():
     for name, r in (("troupe", ours), ("transformers", theirs)):
         print(f"{name + ':':14}{r['tokens_per_s']:9.1f} tokens/s ({r['tokens']} tokens in {r['seconds']:.1f} s)")
     print(f"ratio troupe / transformers: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
+    if invariant:
+        print(f"{'troupe, batch-invariant:':26}{invariant['tokens_per_s']:9.1f} tokens/s "
+              f"({invariant['tokens']} tokens in {invariant['seconds']:.1f} s)")
+        print(f"ratio batch-invariant / default kernels: {invariant['tokens_per_s'] / ours['tokens_per_s']:.2f}x; "
+              f"/ transformers: {invariant['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":

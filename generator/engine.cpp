@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include "kernels/batch_invariant.hpp"
 #include "policy/error.hpp"
 #include "policy/seed.hpp"
 
@@ -91,6 +92,7 @@ Engine::Engine(Transformer model, std::optional<Tokenizer> tokenizer, EngineOpti
   slots_.resize(options_.max_batch);
   model_->eval();
   model_->keep_fused_weights(true);  // weights change only through update_weights, between steps
+  if (options_.batch_invariant) model_->set_batch_invariant(true);
 }
 
 Engine::~Engine() = default;
@@ -206,7 +208,7 @@ namespace {
 // Everything runs on the logits' device; only the R ids and log-probs come back to the host.
 std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Tensor& logits,
                                                                  const std::vector<const SamplingParams*>& params,
-                                                                 std::vector<at::Generator*>& generators) {
+                                                                 std::vector<at::Generator*>& generators, bool invariant) {
   const int64_t R = static_cast<int64_t>(params.size());
   auto l = logits.to(torch::kFloat32);  // (R, V)
   const auto device = l.device();
@@ -215,7 +217,11 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Ten
   for (int64_t r = 0; r < R; ++r) temperature[r] = params[r]->temperature > 0 ? params[r]->temperature : 1.0f;
   // non_blocking: a small pageable copy is staged at once, without waiting for the forward pass.
   auto temperatures = torch::tensor(temperature).to(device, /*non_blocking=*/true).unsqueeze(1);  // (R, 1)
-  auto logp = (l / temperatures).log_softmax(-1);  // (R, V)
+  // Batch-invariant: the log-softmax the trainer's recomputation runs, row by row (kernels/).
+  auto logp = invariant && device.is_cpu()
+                  ? kernels::bi_log_softmax(l, torch::tensor(std::vector<double>(temperature.begin(), temperature.end()),
+                                                             torch::kFloat64))
+                  : (l / temperatures).log_softmax(-1);  // (R, V)
   // Gumbel-max: argmax(log p + g), g = -log(-log(u)), draws exactly from p. Each row's noise
   // comes from that sequence's own generator, so samples do not depend on the batch around
   // them; everything else runs on the whole batch at once.
@@ -308,7 +314,7 @@ void Engine::prefill(std::vector<Sequence*> group) {
     params.push_back(seq->params.get());
     generators.push_back(&seq->generator);
   }
-  auto [next, logprobs] = sample_rows(logits, params, generators);
+  auto [next, logprobs] = sample_rows(logits, params, generators, model_->batch_invariant());
   for (size_t i = 0; i < group.size(); ++i) {
     Sequence& seq = *group[i];
     seq.cached = P;
@@ -361,7 +367,7 @@ void Engine::decode() {
   view.span = span;
   auto hidden = model_->forward(ids, length.unsqueeze(1), mask, &view);         // (R, 1, H)
   auto logits = model_->logits(hidden.select(1, 0).index_select(0, busy_rows));  // (A, V)
-  auto [next, logprobs] = sample_rows(logits, params, generators);
+  auto [next, logprobs] = sample_rows(logits, params, generators, model_->batch_invariant());
   for (size_t i = 0; i < busy.size(); ++i) {
     Sequence& seq = *slots_[busy[i]];
     seq.cached += 1;

@@ -46,6 +46,9 @@ struct EngineOptions {
   // under the new weights, or abort (their tokens dropped, requeued). finish: the owner calls
   // update_weights only once has_work() is false; earlier is an Error, nothing copied.
   PartialRollouts partial_rollouts = PartialRollouts::continue_;
+  // Batch-invariant kernels (CPU, float32 or float64): each sequence's log-probs are bit for bit
+  // those of a full forward pass over it (model.batch_invariant), whatever shares the batch.
+  bool batch_invariant = false;
   uint64_t seed = 0;          // for requests without their own seed
 };
 

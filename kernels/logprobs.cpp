@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include "kernels/batch_invariant.hpp"
+
 namespace troupe::kernels {
 namespace {
 
@@ -82,6 +84,22 @@ torch::Tensor token_logprobs(const torch::Tensor& hidden, const torch::Tensor& w
                              double temperature, int64_t chunk) {
   check_args(hidden, weight, targets, temperature, chunk);
   return ChunkedLogprobs::apply(hidden, weight, targets, temperature, chunk);
+}
+
+torch::Tensor token_logprobs_invariant(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
+                                       double temperature, int64_t chunk) {
+  check_args(hidden, weight, targets, temperature, chunk);
+  TORCH_CHECK(!torch::GradMode::is_enabled(), "token_logprobs_invariant: no autograd (run it under NoGradGuard)");
+  const int64_t B = hidden.size(0), T = hidden.size(1);
+  auto out = torch::empty(targets.sizes(), hidden.options());
+  const auto t = torch::tensor({temperature}, torch::kFloat64);
+  for (int64_t start = 0; start < T; start += chunk) {
+    const int64_t len = std::min(chunk, T - start);
+    auto logits = bi_linear(hidden.narrow(1, start, len), weight, {}).reshape({B * len, -1});  // (B*len, V)
+    auto logp = bi_log_softmax(logits, t);
+    out.narrow(1, start, len).copy_(logp.gather(1, targets.narrow(1, start, len).reshape({B * len, 1})).view({B, len}));
+  }
+  return out;
 }
 
 torch::Tensor token_logprobs_reference(const torch::Tensor& hidden, const torch::Tensor& weight,

@@ -16,6 +16,12 @@ namespace troupe::kernels {
 torch::Tensor token_logprobs(const torch::Tensor& hidden, const torch::Tensor& weight,
                              const torch::Tensor& targets, double temperature = 1.0, int64_t chunk = 128);
 
+// The same without autograd through the batch-invariant kernels (kernels/batch_invariant.hpp):
+// each row's log-probs are bit for bit an engine's that sampled them with the same weights.
+// CPU, float32 or float64.
+torch::Tensor token_logprobs_invariant(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                       const torch::Tensor& targets, double temperature = 1.0, int64_t chunk = 128);
+
 // The same through full logits and autograd: the reference.
 torch::Tensor token_logprobs_reference(const torch::Tensor& hidden, const torch::Tensor& weight,
                                        const torch::Tensor& targets, double temperature = 1.0);

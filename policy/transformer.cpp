@@ -8,6 +8,8 @@
 
 #include <torch/torch.h>
 
+#include "kernels/batch_invariant.hpp"
+
 namespace troupe {
 
 namespace F = torch::nn::functional;
@@ -21,11 +23,17 @@ KVCache KVCache::allocate(const ModelConfig& c, int64_t batch, int64_t capacity,
   return cache;
 }
 
+bool batch_invariant_now(bool on, const torch::Tensor& x) {
+  return on && !torch::GradMode::is_enabled() && x.is_cpu() &&
+         (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64);
+}
+
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight_ = register_parameter("weight", torch::ones({dim}));
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  if (batch_invariant_now(invariant_, x)) return kernels::bi_rms_norm(x, weight_, eps_);
   auto h = x.to(at::promote_types(x.scalar_type(), torch::kFloat32));  // float64 stays float64
   h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
   return weight_ * h.to(x.scalar_type());
@@ -52,8 +60,13 @@ RotaryEmbedding::RotaryEmbedding(const ModelConfig& c) {
 }
 
 std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::cos_sin(const torch::Tensor& positions,
-                                                                   torch::ScalarType dtype) {
+                                                                   torch::ScalarType dtype, bool invariant) {
   if (inv_freq_.device() != positions.device()) inv_freq_ = inv_freq_.to(positions.device());
+  // ATen's vectorized cos and sin may round otherwise than its scalar loop for the last few
+  // elements, whose number depends on the batch's shape.
+  if (invariant && !torch::GradMode::is_enabled() && positions.is_cpu() &&
+      (dtype == torch::kFloat32 || dtype == torch::kFloat64))
+    return kernels::bi_rope_cos_sin(positions, inv_freq_, dtype);
   auto freqs = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq_;  // [B, T, hd/2]
   auto emb = torch::cat({freqs, freqs}, -1);                            // [B, T, hd]
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
@@ -74,6 +87,16 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
 
 torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+// A GEMM without autograd: batch-invariant when asked, else ATen's (MKL, oneDNN).
+torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, bool invariant) {
+  return invariant ? kernels::bi_linear(x, w, b) : F::linear(x, w, b);
+}
+
+// A projection, its adapter's term added (that term, and so LoRA, is not batch-invariant).
+torch::Tensor project(const Projection& p, const torch::Tensor& x, bool training, bool invariant) {
+  return invariant ? p.add_lora(kernels::bi_linear(x, p.base->weight, p.base->bias), x, training) : p.forward(x, training);
 }
 
 }  // namespace
@@ -132,11 +155,13 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   // many, and the concatenated weight and its gradient would cost memory and copies.
   // LoRA adapters add their terms to their own slices.
   std::vector<torch::Tensor> qkv;
+  const bool invariant = batch_invariant_now(invariant_, x);
   if (torch::GradMode::is_enabled()) {
     qkv = {q_proj_.base->forward(x), k_proj_.base->forward(x), v_proj_.base->forward(x)};
   } else {
+    // (Batch-invariant: each output is its own dot product, so fusing changes no bit.)
     auto [w_qkv, b_qkv] = qkv_.get({&q_proj_, &k_proj_, &v_proj_});
-    qkv = F::linear(x, w_qkv, b_qkv).split({n_heads_ * head_dim_, n_kv_heads_ * head_dim_, n_kv_heads_ * head_dim_}, -1);
+    qkv = gemm(x, w_qkv, b_qkv, invariant).split({n_heads_ * head_dim_, n_kv_heads_ * head_dim_, n_kv_heads_ * head_dim_}, -1);
   }
   const bool train = is_training();
   auto q = q_proj_.add_lora(qkv[0], x, train).view({B, T, n_heads_, head_dim_});     // (B, T, nh, hd)
@@ -173,7 +198,11 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   if (mask.defined()) attn_mask = mask;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   torch::Tensor out;
-  if (T == 1 && n_kv_heads_ != n_heads_) {
+  if (invariant) {
+    // One query row at a time over its allowed keys, in key order, whatever the batch: a decode
+    // step over the cache and a full causal pass give each query the same bits.
+    out = kernels::bi_attention(q, k, v, mask, scale);  // (B, nh, T, hd)
+  } else if (T == 1 && n_kv_heads_ != n_heads_) {
     // One decode step: the query heads sharing a key/value head become that head's query
     // rows, (B, nkv, nh/nkv, hd), so attention reads each cached key once instead of
     // repeating the cache per query head (what SDPA's GQA path does on CPU with a mask).
@@ -184,7 +213,15 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     out = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal, scale,
                                            /*enable_gqa=*/n_kv_heads_ != n_heads_);  // (B, nh, T, hd)
   }
-  return o_proj_.forward(out.transpose(1, 2).reshape({B, T, n_heads_ * head_dim_}), train);
+  return project(o_proj_, out.transpose(1, 2).reshape({B, T, n_heads_ * head_dim_}), train, invariant);
+}
+
+void AttentionImpl::set_batch_invariant(bool on) {
+  invariant_ = on;
+  if (q_norm_) {
+    q_norm_->set_batch_invariant(on);
+    k_norm_->set_batch_invariant(on);
+  }
 }
 
 void AttentionImpl::projections(const std::string& prefix, ProjectionList& out) {
@@ -203,15 +240,16 @@ MLPImpl::MLPImpl(const ModelConfig& c) {
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   // gate and up in one GEMM, for the same reason as q, k and v.
   std::vector<torch::Tensor> gate_up;
+  const bool invariant = batch_invariant_now(invariant_, x);
   if (torch::GradMode::is_enabled()) {
     gate_up = {gate_proj_.base->forward(x), up_proj_.base->forward(x)};
   } else {
     auto [w_gate_up, b_gate_up] = gate_up_.get({&gate_proj_, &up_proj_});
-    gate_up = F::linear(x, w_gate_up, b_gate_up).chunk(2, -1);
+    gate_up = gemm(x, w_gate_up, b_gate_up, invariant).chunk(2, -1);
   }
   const bool train = is_training();
   auto gate = gate_proj_.add_lora(gate_up[0], x, train), up = up_proj_.add_lora(gate_up[1], x, train);
-  return down_proj_.forward(F::silu(gate) * up, train);
+  return project(down_proj_, invariant ? kernels::bi_silu_mul(gate, up) : F::silu(gate) * up, train, invariant);
 }
 
 void MLPImpl::projections(const std::string& prefix, ProjectionList& out) {
@@ -248,7 +286,7 @@ DecoderImpl::DecoderImpl(const ModelConfig& c) : rotary_(c) {
 torch::Tensor DecoderImpl::forward(const torch::Tensor& ids, const torch::Tensor& positions,
                                    const torch::Tensor& mask, KVCache* cache) {
   auto h = embed_tokens_(ids);  // (B, T, H)
-  auto [cos, sin] = rotary_.cos_sin(positions, h.scalar_type());
+  auto [cos, sin] = rotary_.cos_sin(positions, h.scalar_type(), invariant_);
   for (auto& layer : *layers_) h = layer->as<DecoderLayer>()->forward(h, cos, sin, mask, cache);
   if (cache && !cache->write_index.defined()) cache->length += ids.size(1);
   return norm_(h);
@@ -256,6 +294,12 @@ torch::Tensor DecoderImpl::forward(const torch::Tensor& ids, const torch::Tensor
 
 void DecoderImpl::keep_fused_weights(bool on) {
   for (size_t l = 0; l < layers_->size(); ++l) layers_->ptr<DecoderLayerImpl>(l)->keep_fused_weights(on);
+}
+
+void DecoderImpl::set_batch_invariant(bool on) {
+  invariant_ = on;
+  norm_->set_batch_invariant(on);
+  for (size_t l = 0; l < layers_->size(); ++l) layers_->ptr<DecoderLayerImpl>(l)->set_batch_invariant(on);
 }
 
 void DecoderImpl::projections(const std::string& prefix, ProjectionList& out) {
@@ -278,6 +322,11 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const torch::Te
 
 void TransformerImpl::keep_fused_weights(bool on) { model_->keep_fused_weights(on); }
 
+void TransformerImpl::set_batch_invariant(bool on) {
+  invariant_ = on;
+  model_->set_batch_invariant(on);
+}
+
 ProjectionList TransformerImpl::projections() {
   ProjectionList out;
   model_->projections("model.", out);
@@ -295,7 +344,7 @@ torch::Tensor TransformerImpl::lm_head_weight() {
 }
 
 torch::Tensor TransformerImpl::logits(const torch::Tensor& hidden) {
-  return torch::nn::functional::linear(hidden, lm_head_weight());
+  return gemm(hidden, lm_head_weight(), {}, batch_invariant_now(invariant_, hidden));
 }
 
 torch::Tensor positions_from_mask(const torch::Tensor& token_mask) {

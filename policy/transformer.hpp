@@ -34,14 +34,23 @@ struct KVCache {
   int64_t capacity() const { return k.empty() ? 0 : k[0].size(2); }
 };
 
+// Forward passes without autograd can run batch-invariant kernels (kernels/batch_invariant.hpp,
+// CPU float32/float64): each row's result then depends on that row alone, so a token decoded
+// with a KV cache beside other sequences gets bit for bit the log-prob a full forward pass over
+// its sequence gives. set_batch_invariant turns it on for a module and everything under it.
+// With autograd, on CUDA or in bfloat16, the usual ATen kernels run whatever the flag says.
+bool batch_invariant_now(bool on, const torch::Tensor& x);
+
 class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);
   torch::Tensor forward(const torch::Tensor& x);
+  void set_batch_invariant(bool on) { invariant_ = on; }
 
  private:
   torch::Tensor weight_;
   double eps_;
+  bool invariant_ = false;
 };
 TORCH_MODULE(RMSNorm);
 
@@ -50,7 +59,8 @@ class RotaryEmbedding {
  public:
   explicit RotaryEmbedding(const ModelConfig& config);
   // positions [B, T] -> cos, sin [B, T, head_dim] in `dtype`
-  std::pair<torch::Tensor, torch::Tensor> cos_sin(const torch::Tensor& positions, torch::ScalarType dtype);
+  std::pair<torch::Tensor, torch::Tensor> cos_sin(const torch::Tensor& positions, torch::ScalarType dtype,
+                                                  bool invariant = false);
 
  private:
   torch::Tensor inv_freq_;  // [head_dim / 2], float32; deliberately not a buffer, so casts keep it float32
@@ -103,12 +113,14 @@ class AttentionImpl : public torch::nn::Module {
                         const torch::Tensor& mask, KVCache* cache);
   void projections(const std::string& prefix, ProjectionList& out);
   void keep_fused_weights(bool on) { qkv_.keep = on; }
+  void set_batch_invariant(bool on);
 
  private:
   int64_t layer_, n_heads_, n_kv_heads_, head_dim_;
   Projection q_proj_, k_proj_, v_proj_, o_proj_;
   RMSNorm q_norm_{nullptr}, k_norm_{nullptr};
   FusedWeights qkv_;
+  bool invariant_ = false;
 };
 TORCH_MODULE(Attention);
 
@@ -118,10 +130,12 @@ class MLPImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   void projections(const std::string& prefix, ProjectionList& out);
   void keep_fused_weights(bool on) { gate_up_.keep = on; }
+  void set_batch_invariant(bool on) { invariant_ = on; }
 
  private:
   Projection gate_proj_, up_proj_, down_proj_;
   FusedWeights gate_up_;
+  bool invariant_ = false;
 };
 TORCH_MODULE(MLP);
 
@@ -134,6 +148,12 @@ class DecoderLayerImpl : public torch::nn::Module {
   void keep_fused_weights(bool on) {
     self_attn_->keep_fused_weights(on);
     mlp_->keep_fused_weights(on);
+  }
+  void set_batch_invariant(bool on) {
+    self_attn_->set_batch_invariant(on);
+    mlp_->set_batch_invariant(on);
+    input_layernorm_->set_batch_invariant(on);
+    post_attention_layernorm_->set_batch_invariant(on);
   }
 
  private:
@@ -152,12 +172,14 @@ class DecoderImpl : public torch::nn::Module {
   torch::nn::Embedding& embed_tokens() { return embed_tokens_; }
   void projections(const std::string& prefix, ProjectionList& out);
   void keep_fused_weights(bool on);
+  void set_batch_invariant(bool on);
 
  private:
   torch::nn::Embedding embed_tokens_{nullptr};
   torch::nn::ModuleList layers_;
   RMSNorm norm_{nullptr};
   RotaryEmbedding rotary_;
+  bool invariant_ = false;
 };
 TORCH_MODULE(Decoder);
 
@@ -181,6 +203,10 @@ class TransformerImpl : public torch::nn::Module {
   // Keep the concatenated q/k/v and gate/up weights between forward passes without autograd
   // (see FusedWeights): faster decoding for about 2/3 of the block weights' memory again.
   void keep_fused_weights(bool on);
+  // Batch-invariant kernels in forward passes without autograd (see batch_invariant_now), the
+  // LM head included: what model.batch_invariant turns on in engines and the trainer alike.
+  void set_batch_invariant(bool on);
+  bool batch_invariant() const { return invariant_; }
 
   // The block projections LoRA can adapt (q/k/v/o_proj, gate/up/down_proj), by HF module name.
   ProjectionList projections();
@@ -190,6 +216,7 @@ class TransformerImpl : public torch::nn::Module {
   ModelConfig config_;
   Decoder model_{nullptr};
   torch::nn::Linear lm_head_{nullptr};
+  bool invariant_ = false;
 };
 TORCH_MODULE(Transformer);
 

@@ -199,6 +199,9 @@ torch::Tensor sequence_logprobs(TransformerImpl& model, const Packed& p, int64_t
   auto positions = positions_from_mask(token_mask);
   auto hidden = hidden_states(model, trunk, ids, positions, attention_mask_unless_causal(token_mask, positions));  // (B, T, H)
   const int64_t T = ids.size(1);
+  if (batch_invariant_now(model.batch_invariant(), hidden))
+    return kernels::token_logprobs_invariant(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), ids.narrow(1, 1, T - 1),
+                                             /*temperature=*/1.0, chunk);
   return kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), ids.narrow(1, 1, T - 1),
                                  /*temperature=*/1.0, chunk);
 }
@@ -260,6 +263,7 @@ Trainer::Trainer(Transformer model, TrainerConfig config, std::vector<torch::Ten
     : model_(std::move(model)), config_(config), params_(std::move(params)) {
   if (config_.num_iterations < 1) throw Error("trainer: num_iterations must be at least 1");
   if (params_.empty()) throw Error("trainer: the list of parameters to optimize is empty");
+  if (config_.batch_invariant) model_->set_batch_invariant(true);
   std::unordered_set<const void*> optimized;
   for (auto& p : params_) {
     if (!p.defined()) throw Error("trainer: a parameter to optimize is undefined");
@@ -467,16 +471,21 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
     return Packed{packed.ids.narrow(0, first + start, len), packed.token_mask.narrow(0, first + start, len), {}, {}, {}};
   };
   // The proximal policy is the weights at the start of the step. With one pass they are the
-  // current weights, so log pi_prox is simply log pi_theta detached, and no extra forward runs.
+  // current weights, so log pi_prox is simply log pi_theta detached, and no extra forward runs;
+  // except with batch-invariant kernels, which only a pass without autograd runs. Where the
+  // behaviour log-probs are exactly that pass's result, they are taken as they are.
   torch::Tensor prox;
-  if (config_.num_iterations > 1 && rows > 0) {
+  const bool recompute = !config_.reuse_behaviour_logprobs && (config_.num_iterations > 1 || config_.batch_invariant);
+  if (config_.reuse_behaviour_logprobs) {
+    prox = packed.behaviour.narrow(0, first, rows).to(device);
+  } else if (recompute && rows > 0) {
     torch::NoGradGuard no_grad;
     WholeParameters whole(dp_.get());
     std::vector<torch::Tensor> parts;
     for (int64_t s = 0; s < rows; s += micro)
       parts.push_back(sequence_logprobs(*model_, part_of(s, std::min(micro, rows - s)), config_.logprob_chunk));
     prox = torch::cat(parts, 0);
-  } else if (config_.num_iterations > 1 && dp_ && dp_->shards_parameters()) {
+  } else if (recompute && dp_ && dp_->shards_parameters()) {
     WholeParameters whole(dp_.get());  // zero3's gather takes every rank, this one with no rows too
   }
 

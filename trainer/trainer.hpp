@@ -51,6 +51,14 @@ struct TrainerConfig {
   // internals at a time, for about one more forward pass of compute. Training passes only.
   bool activation_checkpointing = false;
   int64_t dpo_micro_pairs = 0;              // pairs per forward/backward in dpo_step; 0 = all at once
+  // model.batch_invariant: forward passes without autograd run the batch-invariant kernels, and
+  // log pi_prox comes from such a pass (one more forward even at one pass): bit for bit what an
+  // engine with the same weights recorded, so mismatch/kl is 0 at the same version.
+  bool batch_invariant = false;
+  // log pi_prox is the behaviour log-probs themselves, no recomputation: only where they are
+  // exactly the trainer's (the config checks: eta 0, batch-invariant built-in engines in the
+  // trainer's dtype, no LoRA). Saves the forward pass batch_invariant adds.
+  bool reuse_behaviour_logprobs = false;
 };
 
 // AdamW over `params` with the config's hyperparameters, and the learning rate at optimizer

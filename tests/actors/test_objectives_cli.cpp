@@ -130,6 +130,23 @@ TEST_CASE("mismatch/kl: float rounding with float32 engines, and reported when t
   CHECK(least_bf16 > 1e-7);   // bfloat16 rounding of weights and activations
 }
 
+TEST_CASE("model.batch_invariant: mismatch/kl is exactly 0 with float32 engines, and reusing the behaviour log-probs changes no bit") {
+  const std::string args = "async.max_staleness=0 model.batch_invariant=true ";
+  auto exact = learn("invariant", args, 20);
+  auto reuse = learn("invariant_reuse", args + "trainer.reuse_behaviour_logprobs=true", 20);
+  for (size_t i = 0; i < exact.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(exact[i]["mismatch/tokens"].get<int64_t>() > 0);
+    CHECK(exact[i]["mismatch/kl"].get<double>() == 0.0);
+    CHECK(exact[i]["correction/ratio_min"].get<double>() == 1.0);  // pi_prox / mu, every token
+    CHECK(exact[i]["correction/ratio_max"].get<double>() == 1.0);
+    for (const char* key : {"loss", "reward/mean", "grad_norm"}) CHECK(reuse[i][key] == exact[i][key]);
+  }
+  const auto last = fs::path("checkpoints") / "step_20" / "model.safetensors";
+  CHECK(max_diff(fixtures() / "invariant" / last, fixtures() / "invariant_reuse" / last) == 0.0);
+  MESSAGE("batch-invariant engines at eta 0: mismatch/kl 0 in all 20 steps; reuse_behaviour_logprobs ends bit for bit the same");
+}
+
 TEST_CASE("partial rollouts: continue mixes versions inside completions within eta; finish and abort never mix") {
   // Not deterministic (that mode holds weights back like finish), no warm-up: the random model
   // writes all 48 tokens, so new weights (one version per step) land mid-generation.

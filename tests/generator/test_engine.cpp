@@ -9,6 +9,7 @@
 #include "policy/checkpoint.hpp"
 #include "policy/error.hpp"
 #include "tests/test_util.hpp"
+#include "trainer/trainer.hpp"
 
 using namespace troupe;
 
@@ -244,4 +245,48 @@ TEST_CASE("invalid requests are refused with the reason") {
   CHECK_THROWS_WITH_AS(engine.update_weights(bad, 1), doctest::Contains("'model.norm.weight' is [3]"), Error);
   CHECK_THROWS_WITH_AS(engine.update_weights({{"nope", torch::zeros({1})}}, 1), doctest::Contains("unknown parameter 'nope'"), Error);
   CHECK(engine.version() == 0);
+}
+
+TEST_CASE("model.batch_invariant: the engine's log-probs are the trainer's recomputation bit for bit, whatever shares the batch") {
+  // Mixed lengths and contents: six prompts of 1 to 9 tokens, 3 samples each, up to 4 to 14 new
+  // tokens, through 5 slots, so sequences join and leave the decode batch at different positions.
+  for (const char* name : {"llama3", "qwen3"}) {  // qwen3: q/k norms, grouped-query attention
+    CAPTURE(name);
+    auto m = tiny(name);
+    Engine engine(m.model, std::nullopt, {.max_batch = 5, .max_seq_len = 64, .batch_invariant = true});
+    std::vector<uint64_t> ids;
+    for (size_t i = 0; i < prompts().size(); ++i)
+      ids.push_back(engine.add_request(prompts()[i], {.n = 3, .temperature = 1.0, .max_tokens = 4 + 2 * static_cast<int64_t>(i),
+                                                      .ignore_eos = true, .seed = 100 + i}));
+    std::map<uint64_t, std::vector<Completion>> by_request;
+    while (engine.has_work())
+      for (auto& c : engine.step()) by_request[c.request_id].push_back(std::move(c));
+    // The trainer's side: a model of its own with the same weights, its groups packed as the
+    // trainer packs them (right-padded to the longest), and each completion alone.
+    auto trainer_model = tiny(name);
+    trainer_model.model->set_batch_invariant(true);
+    int64_t tokens = 0;
+    double plain_worst = 0;
+    auto plain_model = tiny(name);
+    for (uint64_t id : ids) {
+      auto& cs = by_request.at(id);
+      REQUIRE(cs.size() == 3u);
+      RolloutGroup group;
+      group.prompt_ids = cs[0].prompt_ids;
+      for (const auto& c : cs) group.completion_ids.push_back(c.ids);
+      auto packed = completion_logprobs(*trainer_model.model, group, /*chunk=*/4);
+      for (size_t i = 0; i < cs.size(); ++i) {
+        CHECK(packed[i] == cs[i].logprobs);  // bit for bit
+        RolloutGroup alone;
+        alone.prompt_ids = group.prompt_ids;
+        alone.completion_ids = {cs[i].ids};
+        CHECK(completion_logprobs(*trainer_model.model, alone, 128)[0] == cs[i].logprobs);
+        plain_worst = std::max(plain_worst, max_diff(completion_logprobs(*plain_model.model, alone, 128)[0], cs[i].logprobs));
+        tokens += cs[i].ids.size();
+      }
+    }
+    // The ATen kernels agree only to float rounding (and, the batch-invariant ones, with them).
+    MESSAGE(std::string(name) << ": " << tokens << " tokens equal bit for bit; the plain forward pass differs by up to " << plain_worst);
+    CHECK(plain_worst < 1e-4);
+  }
 }
