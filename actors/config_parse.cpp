@@ -145,6 +145,10 @@ void read_trainer(Map m, TrainerSection& c, Recipe recipe, int64_t max_tokens) {
   m.check(!c.dynamic_sampling || recipe == Recipe::grpo || recipe == Recipe::reinforce, "dynamic_sampling",
           "recipe " + std::string(to_string(recipe)) + " does not filter groups (only grpo and reinforce do: a group " +
               "whose rewards tie has no advantage there)");
+  m.check(!c.dynamic_sampling || (c.advantage != rl::Advantage::reinforce_pp && c.advantage != rl::Advantage::none),
+          "advantage",
+          "advantage " + std::string(to_string(c.advantage)) + " gives a group whose rewards tie an advantage all the same: "
+              "trainer.dynamic_sampling needs a group baseline (group, rloo or reinforce_pp_baseline)");
   read_loss(m.map("loss"), c.loss, recipe);
   if (m.given("sft_warmup")) {
     auto& w = c.sft_warmup.emplace();
@@ -235,6 +239,12 @@ void check_reuse(Map& top, const RunConfig& c) {
   t.check(c.generator.engine == EngineKind::builtin, key, "needs generator.engine: builtin (a server's kernels are its own)");
   t.check(c.generator.dtype == ModelDtype::automatic || c.generator.dtype == c.model.dtype, key,
           "needs the engines in model.dtype (generator.dtype auto)");
+  t.check(c.model.dtype != ModelDtype::float64, key,
+          "needs model.dtype float32 (engines record float32 log-probs, a float64 trainer computes float64 ones)");
+  // Engines record log-probs of logits / temperature (greedy rows: temperature 1); the trainer's are at 1.
+  t.check(c.generator.temperature == 1.0 || c.generator.temperature == 0.0, key,
+          "needs generator.temperature 1 (the engines' log-probs are of logits / temperature, the trainer's of the "
+          "logits)" + got(c.generator.temperature));
   t.check(!c.lora, key, "not with LoRA (generators hold the merged weights, which round otherwise than the adapters)");
 }
 
@@ -253,7 +263,8 @@ void check_across(Map& top, RunConfig& c, bool data_seeded) {
   if (c.model.batch_invariant)
     top.map("model").check(c.model.device == "cpu" && c.model.dtype != ModelDtype::bfloat16, "batch_invariant",
                            "needs model.device cpu and model.dtype float32, float64 or auto (the batch-invariant kernels "
-                           "are CPU float32/float64)");
+                           "are CPU float32/float64), got device " + c.model.device + ", dtype " +
+                               std::string(to_string(c.model.dtype)));
   check_reuse(top, c);
   // Dynamic sampling drops groups whose rewards tie, which one completion always does.
   if (c.trainer.dynamic_sampling)

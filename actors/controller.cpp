@@ -1,7 +1,7 @@
 // The controller: spawns and monitors the graph, hands out prompt credits, forwards weight
 // notices to every generator (and the newest to each one that joins), frees weight files no
 // generator needs, writes metrics.jsonl and the progress line, and ends the run. Accounting
-// (issued, trained, failed tickets) arrives in messages and leaves in the RunSummary.
+// (issued, trained, filtered, failed tickets) arrives in messages and leaves in the RunSummary.
 #include "actors/controller.hpp"
 
 #include <cmath>
@@ -368,6 +368,8 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
       },
       [=](tick_atom) { tick(self); },
       // The trainer's next batch lacks n groups (dynamic sampling filtered them): n more prompts.
+      // In deterministic and finish modes they queue behind prompts already sent (later batches),
+      // which keeps the order fixed at the price of the trainer waiting that much longer.
       [=](refill_atom, int64_t batch, int64_t n) {
         if (!self->state.shutting_down) draw(self, n, batch);
       },

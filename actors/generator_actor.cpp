@@ -71,8 +71,9 @@ struct GeneratorState {
   std::unique_ptr<Engine> engine;
   std::map<uint64_t, Pending> pending;  // engine request id -> the prompt and its finished samples
   bool stepping = false;
-  // Deterministic mode: what arrived while the engine was busy, applied in arrival order once
-  // it is idle, so each batch meets exactly the weights sent before it.
+  // What arrived while it had to wait (see waits()), applied in arrival order: in deterministic
+  // mode once the engine is idle, so each batch meets exactly the weights sent before it; with
+  // partial_rollouts finish, a notice once the sequences in progress are done.
   std::deque<std::variant<PromptBatch, WeightsReady>> deferred;
   bool said_http = false;  // the first version fetched over HTTP is logged
 };

@@ -57,6 +57,7 @@ struct TrainerActorState {
 using Self = trainer_actor::stateful_pointer<TrainerActorState>;
 
 // A group dynamic sampling filters: every completion scored alike, so no advantage to learn from.
+// Judged on the rewards before overlong shaping, as DAPO's filter judges accuracy.
 bool rewards_tie(const RolloutGroup& g) {
   return g.error.empty() && std::adjacent_find(g.reward.begin(), g.reward.end(), std::not_equal_to<>()) == g.reward.end();
 }
@@ -110,6 +111,11 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
   } else {
     for (const char* key : {"reward/mean", "loss", "kl", "clip_fraction", "behaviour_weight/mean", "grad_norm", "lr"})
       j[key] = nullptr;
+    // Nothing trained, but the filtered groups were scored all the same.
+    if (completions > 0) {
+      j["reward/mean"] = reward_sum / completions;
+      for (const auto& [name, sum] : by_name) j["reward/" + name + "/mean"] = sum.first / std::max<int64_t>(sum.second, 1);
+    }
   }
   j["staleness/mean"] = groups.empty() ? 0.0 : staleness_sum / groups.size();
   j["staleness/max"] = staleness_max;
@@ -175,8 +181,14 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   // In ticket order, so the step does not depend on the order groups arrived in.
   std::sort(batch.begin(), batch.end(), [](const auto& a, const auto& b) { return a.ticket < b.ticket; });
   std::vector<RolloutGroup> groups, failed, filtered;
-  for (auto& g : batch)
-    (!g.error.empty() ? failed : spec.dynamic_sampling && rewards_tie(g) ? filtered : groups).push_back(std::move(g));
+  for (auto& g : batch) {
+    if (!g.error.empty())
+      failed.push_back(std::move(g));
+    else if (spec.dynamic_sampling && rewards_tie(g))
+      filtered.push_back(std::move(g));
+    else
+      groups.push_back(std::move(g));
+  }
   const int64_t t = st.policy_version;
   const int64_t step = st.next_batch + 1;
   check_staleness(spec, groups, t);
@@ -226,7 +238,7 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
     j["weights/bytes"] = sent->bytes;
     j["time/weights_write_s"] = sent->write_s;
   }
-  StepReport report{step, j.dump(), {}, {}, {}};
+  StepReport report{.step = step, .json = j.dump()};
   for (const auto& g : groups) report.trained.push_back(g.ticket);
   for (const auto& g : failed) report.failed.push_back(g.ticket);
   for (const auto& g : filtered) report.filtered.push_back(g.ticket);
@@ -237,13 +249,18 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   tell_stopped(self);
 }
 
+int64_t refills_of(const TrainerActorState& st, int64_t b) {
+  auto it = st.refills.find(b);
+  return it == st.refills.end() ? 0 : it->second;
+}
+
 // Dynamic sampling: the groups batch `b` still lacks once every group handed out for it is back
 // (its filtered groups not yet replaced), or 0 when it trains as it is: full, or out of rounds.
 int64_t lacking(const TrainerActorState& st, int64_t b, const std::vector<RolloutGroup>& arrived) {
   if (!st.spec->dynamic_sampling) return 0;
   auto rounds = st.rounds.find(b);
   if (rounds != st.rounds.end() && rounds->second >= st.spec->dynamic_sampling_rounds) return 0;
-  return std::count_if(arrived.begin(), arrived.end(), rewards_tie) - (st.refills.contains(b) ? st.refills.at(b) : 0);
+  return std::count_if(arrived.begin(), arrived.end(), rewards_tie) - refills_of(st, b);
 }
 
 // Trains the next batch while it is complete. Refills are asked for the next batch only, after
@@ -254,7 +271,7 @@ void train_ready(Self self) {
   while (st.stop_at < 0) {
     const int64_t b = st.next_batch;
     auto it = st.buffer.find(b);
-    const int64_t handed_out = st.spec->batch_groups + (st.refills.contains(b) ? st.refills.at(b) : 0);
+    const int64_t handed_out = st.spec->batch_groups + refills_of(st, b);
     if (it == st.buffer.end() || static_cast<int64_t>(it->second.size()) < handed_out) return;
     if (const int64_t n = lacking(st, b, it->second); n > 0) {
       st.refills[b] += n;

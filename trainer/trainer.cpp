@@ -472,7 +472,8 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
   };
   // The proximal policy is the weights at the start of the step. With one pass they are the
   // current weights, so log pi_prox is simply log pi_theta detached, and no extra forward runs;
-  // except with batch-invariant kernels, which only a pass without autograd runs. Where the
+  // except with batch-invariant kernels, which only a pass without autograd runs (the first
+  // pass's ratio pi_theta / pi_prox is then 1 to float rounding, not exactly). Where the
   // behaviour log-probs are exactly that pass's result, they are taken as they are.
   torch::Tensor prox;
   const bool recompute = !config_.reuse_behaviour_logprobs && (config_.num_iterations > 1 || config_.batch_invariant);

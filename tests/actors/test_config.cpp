@@ -363,23 +363,35 @@ TEST_CASE("the RL objective, advantage and correction keys: read, written back, 
   CHECK(error_of(kBase, {"trainer.dynamic_sampling=true", "trainer.dynamic_sampling_rounds=0"}).ends_with(
         "trainer.dynamic_sampling_rounds: must be >= 1, got 0"));
   // Batch-invariant kernels, and the behaviour log-probs as log pi_prox only where they are exact.
-  auto bi = parse_run_config(kBase, "configs/x.yaml",
-                             {"model.batch_invariant=true", "async.max_staleness=0", "trainer.reuse_behaviour_logprobs=true"});
+  const std::vector<std::string> reuse = {"model.batch_invariant=true", "async.max_staleness=0", "generator.temperature=1",
+                                          "trainer.reuse_behaviour_logprobs=true"};
+  auto bi = parse_run_config(kBase, "configs/x.yaml", reuse);
   CHECK(bi.model.batch_invariant);
   CHECK(bi.trainer.reuse_behaviour_logprobs);
   CHECK(parse_run_config(to_yaml(bi), "runs/x/config.yaml") == bi);
   CHECK(error_of(kBase, {"model.batch_invariant=true", "model.dtype=bfloat16"}).ends_with(
         "model.batch_invariant: needs model.device cpu and model.dtype float32, float64 or auto (the batch-invariant "
-        "kernels are CPU float32/float64)"));
+        "kernels are CPU float32/float64), got device cpu, dtype bfloat16"));
   CHECK(error_of(kBase, {"model.batch_invariant=true", "trainer.reuse_behaviour_logprobs=true"}).ends_with(
         "trainer.reuse_behaviour_logprobs: needs async.max_staleness: 0 (older rollouts were sampled by other weights than "
         "the trainer's)"));
   CHECK(error_of(kBase, {"async.max_staleness=0", "trainer.reuse_behaviour_logprobs=true"}).ends_with(
         "trainer.reuse_behaviour_logprobs: needs model.batch_invariant: true (otherwise the engines' log-probs differ from "
         "the trainer's by float rounding)"));
-  CHECK(error_of(kBase, {"model.batch_invariant=true", "async.max_staleness=0", "trainer.reuse_behaviour_logprobs=true",
-                         "generator.dtype=bfloat16"})
-            .ends_with("trainer.reuse_behaviour_logprobs: needs the engines in model.dtype (generator.dtype auto)"));
+  auto with = [&](std::string extra) {
+    auto o = reuse;
+    o.push_back(std::move(extra));
+    return error_of(kBase, o);
+  };
+  CHECK(with("generator.dtype=bfloat16").ends_with("trainer.reuse_behaviour_logprobs: needs the engines in model.dtype (generator.dtype auto)"));
+  CHECK(with("model.dtype=float64").ends_with("trainer.reuse_behaviour_logprobs: needs model.dtype float32 (engines record "
+                                              "float32 log-probs, a float64 trainer computes float64 ones)"));
+  CHECK(with("generator.temperature=0.7").ends_with("trainer.reuse_behaviour_logprobs: needs generator.temperature 1 (the "
+                                                    "engines' log-probs are of logits / temperature, the trainer's of the "
+                                                    "logits), got 0.7"));
+  CHECK(error_of(kBase, {"trainer.dynamic_sampling=true", "trainer.advantage=reinforce_pp"}).ends_with(
+        "trainer.advantage: advantage reinforce_pp gives a group whose rewards tie an advantage all the same: "
+        "trainer.dynamic_sampling needs a group baseline (group, rloo or reinforce_pp_baseline)"));
   // Partial rollouts: continue by default; finish and abort by name; built-in engines only.
   CHECK(parse_run_config(kBase, "configs/x.yaml").generator.partial_rollouts == PartialRollouts::continue_);
   auto pr = parse_run_config(kBase, "configs/x.yaml", {"generator.partial_rollouts=finish"});
