@@ -241,10 +241,6 @@ void check_reuse(Map& top, const RunConfig& c) {
           "needs the engines in model.dtype (generator.dtype auto)");
   t.check(c.model.dtype != ModelDtype::float64, key,
           "needs model.dtype float32 (engines record float32 log-probs, a float64 trainer computes float64 ones)");
-  // Engines record log-probs of logits / temperature (greedy rows: temperature 1); the trainer's are at 1.
-  t.check(c.generator.temperature == 1.0 || c.generator.temperature == 0.0, key,
-          "needs generator.temperature 1 (the engines' log-probs are of logits / temperature, the trainer's of the "
-          "logits)" + got(c.generator.temperature));
   t.check(!c.lora, key, "not with LoRA (generators hold the merged weights, which round otherwise than the adapters)");
 }
 

@@ -216,7 +216,8 @@ rollout_sink spawn_reference_stage(Self self, rollout_sink next) {
   const GraphSpec& spec = *st.spec;
   const auto& make = spec.make_reference ? spec.make_reference : spec.make_policy;
   if (spec.reference_processes == 0)
-    return spawn_reference(self->system(), make(), spec.trainer_threads, spec.trainer.logprob_chunk, next);
+    return spawn_reference(self->system(), make(), spec.trainer_threads, spec.trainer.logprob_chunk, spec.trainer.temperature,
+                           next);
   auto weights = merged_state_dict(*make());
   int64_t bytes = 0;
   for (const auto& [name, t] : weights) bytes += t.numel() * t.element_size();
@@ -224,8 +225,9 @@ rollout_sink spawn_reference_stage(Self self, rollout_sink next) {
                                                        bytes, spec.listen_address().first);
   const auto written = st.reference_weights->write(weights, 0);
   const auto& source = spec.make_reference ? spec.reference_source : spec.model_source;
-  ReferenceStageSpec r{source.string(), written.path, written.url, written.host, spec.model_dtype,
-                       spec.generator_device, spec.trainer_threads, spec.trainer.logprob_chunk};
+  ReferenceStageSpec r{.model = source.string(), .weights = written.path, .url = written.url, .host = written.host,
+                       .dtype = spec.model_dtype, .device = spec.generator_device, .threads = spec.trainer_threads,
+                       .logprob_chunk = spec.trainer.logprob_chunk, .temperature = spec.trainer.temperature};
   return add_stage(self, "reference", to_json(r), std::move(next));
 }
 

@@ -31,6 +31,12 @@ ModelDtype resolve_model_dtype(const ModelSection& m) {
   return choice.dtype == torch::kBFloat16 ? ModelDtype::bfloat16 : ModelDtype::float32;
 }
 
+double logprob_temperature(const RunConfig& c) {
+  const bool policy_gradient = c.recipe == Recipe::grpo || c.recipe == Recipe::reinforce || c.recipe == Recipe::ppo ||
+                               c.recipe == Recipe::distill;
+  return policy_gradient && c.generator.temperature > 0 ? c.generator.temperature : 1.0;
+}
+
 TrainerConfig trainer_config(const RunConfig& c) {
   const auto& t = c.trainer;
   TrainerConfig out;
@@ -52,6 +58,7 @@ TrainerConfig trainer_config(const RunConfig& c) {
   out.dpo_micro_pairs = t.micro_batch;
   out.batch_invariant = c.model.batch_invariant;
   out.reuse_behaviour_logprobs = t.reuse_behaviour_logprobs;
+  out.temperature = logprob_temperature(c);
   return out;
 }
 

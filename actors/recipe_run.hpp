@@ -33,6 +33,10 @@ torch::Dtype dtype_of(ModelDtype d);
 // and warns when an explicit bfloat16 is emulated (slow) on this CPU.
 ModelDtype resolve_model_dtype(const ModelSection& m);
 TrainerConfig trainer_config(const RunConfig& c);
+// The temperature the RL recipes take log-probs at (policy and reference alike): the
+// generators' sampling temperature, 1 for greedy; 1 for the recipes that compare no
+// behaviour log-probs (sft, lora, dpo, online_dpo).
+double logprob_temperature(const RunConfig& c);
 std::optional<LoraConfig> lora_config(const RunConfig& c);
 // The end-of-sequence id to train after plain-text responses: the tokenizer's, unless it lies
 // outside the model's vocabulary (a small model with a borrowed tokenizer), then the model's own.

@@ -11,13 +11,13 @@ namespace troupe {
 namespace {
 
 rollout_sink::behavior_type reference(rollout_sink::pointer self, Transformer model, int64_t threads, int64_t chunk,
-                                      rollout_sink next) {
+                                      double temperature, rollout_sink next) {
   name_failures(self, "reference");
   use_threads(threads);
   model->eval();
   std::shared_ptr<TransformerImpl> impl = model.ptr();
   return {[=](RolloutGroup& g) {
-    if (g.error.empty()) g.reference_logprobs = completion_logprobs(*impl, g, chunk);
+    if (g.error.empty()) g.reference_logprobs = completion_logprobs(*impl, g, chunk, temperature);
     self->send(next, std::move(g));
   }};
 }
@@ -32,15 +32,17 @@ stage_worker::behavior_type reference_worker(stage_worker::pointer self, Referen
   m.model->eval();
   std::shared_ptr<TransformerImpl> impl = m.model.ptr();
   const int64_t chunk = spec.logprob_chunk;
+  const double temperature = spec.temperature;
   return {[=](RolloutGroup& g) -> RolloutGroup {
-    g.reference_logprobs = completion_logprobs(*impl, g, chunk);
+    g.reference_logprobs = completion_logprobs(*impl, g, chunk, temperature);
     return std::move(g);
   }};
 }
 
 }  // namespace
 
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ReferenceStageSpec, model, weights, url, host, dtype, device, threads, logprob_chunk)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ReferenceStageSpec, model, weights, url, host, dtype, device, threads, logprob_chunk,
+                                   temperature)
 
 nlohmann::json to_json(const ReferenceStageSpec& spec) { return spec; }
 
@@ -53,8 +55,8 @@ stage_worker spawn_reference_worker(caf::actor_system& system, const ReferenceSt
 }
 
 rollout_sink spawn_reference(caf::actor_system& system, Transformer model, int64_t threads, int64_t logprob_chunk,
-                             rollout_sink next) {
-  return system.spawn<caf::detached>(reference, std::move(model), threads, logprob_chunk, std::move(next));
+                             double temperature, rollout_sink next) {
+  return system.spawn<caf::detached>(reference, std::move(model), threads, logprob_chunk, temperature, std::move(next));
 }
 
 }  // namespace troupe

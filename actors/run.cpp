@@ -97,7 +97,7 @@ PpoConfig ppo_config(const RunConfig& c, const OptimizerConfig& optimizer) {
                 .value_clip = l.value_clip, .vf_coef = l.vf_coef, .epsilon = l.epsilon, .epsilon_high = l.epsilon_high,
                 .correction = l.correction, .objective = l.objective, .whiten_advantages = l.whiten_advantages,
                 .num_iterations = c.trainer.num_iterations, .micro_batch = c.trainer.micro_batch,
-                .logprob_chunk = c.trainer.logprob_chunk};
+                .logprob_chunk = c.trainer.logprob_chunk, .temperature = recipe::logprob_temperature(c)};
   out.overlong = c.trainer.overlong;
   out.overlong.max_tokens = c.generator.max_tokens;
   return out;

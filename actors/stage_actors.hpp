@@ -28,9 +28,10 @@ data_actor spawn_data(caf::actor_system& system, PromptSourceFn next_prompts, in
 rollout_sink spawn_reward(caf::actor_system& system, std::shared_ptr<const CombinedReward> reward,
                           std::optional<Tokenizer> tokenizer, rollout_sink next);
 
-// `model` is the reference policy (the starting one); `threads` its intra-op threads.
+// `model` is the reference policy (the starting one, or the teacher); `threads` its intra-op
+// threads; its log-probs are of logits / temperature, as the trainer's.
 rollout_sink spawn_reference(caf::actor_system& system, Transformer model, int64_t threads, int64_t logprob_chunk,
-                             rollout_sink next);
+                             double temperature, rollout_sink next);
 
 // The same stages in a worker process (`troupe worker --role reward|reference`), built from
 // plain data the controller sends as JSON; each answers a group with it scored.
@@ -47,6 +48,7 @@ struct ReferenceStageSpec {
   std::string device = "cpu";
   int64_t threads = 0;
   int64_t logprob_chunk = 0;
+  double temperature = 1.0;  // log-probs of logits / temperature (the generators' sampling temperature)
 };
 nlohmann::json to_json(const RewardStageSpec& spec);
 nlohmann::json to_json(const ReferenceStageSpec& spec);

@@ -182,7 +182,7 @@ struct Forward {
 
 // One trunk pass feeds both heads: the LM head chunk by chunk, the value head on every position.
 Forward forward(TransformerImpl& model, torch::nn::LinearImpl& value_head, const torch::Tensor& ids,
-                const torch::Tensor& token_mask, int64_t chunk) {
+                const torch::Tensor& token_mask, int64_t chunk, double temperature) {
   const auto device = model.lm_head_weight().device();
   auto x = ids.to(device);
   auto tm = token_mask.to(device);
@@ -190,7 +190,7 @@ Forward forward(TransformerImpl& model, torch::nn::LinearImpl& value_head, const
   auto hidden = model.forward(x, positions, attention_mask_unless_causal(tm, positions));  // (B, T, H)
   const int64_t T = x.size(1);
   auto h = hidden.narrow(1, 0, T - 1);                                      // (B, T-1, H)
-  auto logp = kernels::token_logprobs(h, model.lm_head_weight(), x.narrow(1, 1, T - 1), /*temperature=*/1.0, chunk);
+  auto logp = kernels::token_logprobs(h, model.lm_head_weight(), x.narrow(1, 1, T - 1), temperature, chunk);
   auto values = value_head.forward(h.to(torch::kFloat32)).squeeze(-1);     // (B, T-1)
   return {logp, values};
 }
@@ -205,12 +205,12 @@ struct Rows {
 // ranks (zeros elsewhere, so the sum is exact): every rank then holds the whole batch's.
 std::pair<torch::Tensor, torch::Tensor> starting_point(TransformerImpl& model, torch::nn::LinearImpl& value_head,
                                                        const Packed& packed, const torch::Tensor& mask, Rows rows,
-                                                       int64_t chunk, DataParallel* dp) {
+                                                       int64_t chunk, double temperature, DataParallel* dp) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> lp, vs;
   for (int64_t s = rows.first; s < rows.first + rows.count; s += rows.micro) {
     const int64_t len = std::min(rows.micro, rows.first + rows.count - s);
-    auto f = forward(model, value_head, packed.ids.narrow(0, s, len), packed.token_mask.narrow(0, s, len), chunk);
+    auto f = forward(model, value_head, packed.ids.narrow(0, s, len), packed.token_mask.narrow(0, s, len), chunk, temperature);
     lp.push_back(f.logprobs);
     vs.push_back(f.values);
   }
@@ -324,7 +324,7 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
 
   // The step's starting (proximal) weights: log pi_prox and V_old, without a graph.
   const auto [prox, old_values] = starting_point(*model_, *value_head_, packed, mask, {first, rows, micro},
-                                                 config_.logprob_chunk, dp_.get());
+                                                 config_.logprob_chunk, config_.temperature, dp_.get());
 
   // Rewards, GAE and whitening on the CPU: [B, T-1] is small, and the recursion is a loop
   // over columns that would cost a few kernel launches per column on a GPU.
@@ -357,7 +357,7 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
     for (int64_t s = first; s < first + rows; s += micro) {
       const int64_t len = std::min(micro, first + rows - s);
       auto f = forward(*model_, *value_head_, packed.ids.narrow(0, s, len), packed.token_mask.narrow(0, s, len),
-                       config_.logprob_chunk);
+                       config_.logprob_chunk, config_.temperature);
       auto out = ppo::loss({f.logprobs, prox.narrow(0, s, len), behaviour.narrow(0, s, len),
                             advantages.narrow(0, s, len), f.values, old_values.narrow(0, s, len),
                             returns.narrow(0, s, len), mask.narrow(0, s, len)},
@@ -414,7 +414,7 @@ std::vector<std::vector<float>> PpoTrainer::completion_values(const RolloutGroup
   std::vector<Sequence> seqs;
   for (const auto& c : group.completion_ids) seqs.push_back({&group.prompt_ids, &c, nullptr, nullptr});
   auto packed = pack(seqs, false);
-  auto values = forward(*model_, *value_head_, packed.ids, packed.token_mask, config_.logprob_chunk).values.cpu();
+  auto values = forward(*model_, *value_head_, packed.ids, packed.token_mask, config_.logprob_chunk, config_.temperature).values.cpu();
   std::vector<std::vector<float>> out;
   const int64_t P = group.prompt_ids.size();
   for (size_t i = 0; i < group.completion_ids.size(); ++i) {

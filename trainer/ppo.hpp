@@ -98,6 +98,7 @@ struct PpoConfig {
   int64_t num_iterations = 1;  // optimizer passes (PPO epochs) over each batch, each one step
   int64_t micro_batch = 0;     // sequences per forward/backward; 0 = all at once
   int64_t logprob_chunk = 128; // sequence positions per LM-head chunk
+  double temperature = 1.0;    // log-probs of logits / temperature: the generators' (their behaviour log-probs' own)
 };
 
 // Means over the counted tokens of the step (sequences for reward_mean); loss terms, clip

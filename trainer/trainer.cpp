@@ -191,7 +191,7 @@ torch::Tensor hidden_states(TransformerImpl& model, Trainer::Trunk* trunk, const
 }
 
 // log pi(target) for every position of the packed batch: (B, T-1)
-torch::Tensor sequence_logprobs(TransformerImpl& model, const Packed& p, int64_t chunk,
+torch::Tensor sequence_logprobs(TransformerImpl& model, const Packed& p, int64_t chunk, double temperature,
                                 Trainer::Trunk* trunk = nullptr) {
   auto device = model.lm_head_weight().device();
   auto ids = p.ids.to(device);
@@ -201,9 +201,9 @@ torch::Tensor sequence_logprobs(TransformerImpl& model, const Packed& p, int64_t
   const int64_t T = ids.size(1);
   if (batch_invariant_now(model.batch_invariant(), hidden))
     return kernels::token_logprobs_invariant(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), ids.narrow(1, 1, T - 1),
-                                             /*temperature=*/1.0, chunk);
+                                             temperature, chunk);
   return kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), ids.narrow(1, 1, T - 1),
-                                 /*temperature=*/1.0, chunk);
+                                 temperature, chunk);
 }
 
 }  // namespace
@@ -241,12 +241,13 @@ torch::Tensor Trainer::Trunk::forward(const torch::Tensor& ids, const torch::Ten
   return norm->forward(h);
 }
 
-std::vector<std::vector<float>> completion_logprobs(TransformerImpl& model, const RolloutGroup& group, int64_t chunk) {
+std::vector<std::vector<float>> completion_logprobs(TransformerImpl& model, const RolloutGroup& group, int64_t chunk,
+                                                    double temperature) {
   torch::NoGradGuard no_grad;
   std::vector<std::pair<const std::vector<int32_t>*, const std::vector<int32_t>*>> seqs;
   for (const auto& c : group.completion_ids) seqs.push_back({&group.prompt_ids, &c});
   auto packed = pack(seqs, {}, {});
-  auto logp = sequence_logprobs(model, packed, chunk).cpu();  // (G, T-1)
+  auto logp = sequence_logprobs(model, packed, chunk, temperature).cpu();  // (G, T-1)
   std::vector<std::vector<float>> out;
   const int64_t P = group.prompt_ids.size();
   for (size_t i = 0; i < group.completion_ids.size(); ++i) {
@@ -484,7 +485,7 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
     WholeParameters whole(dp_.get());
     std::vector<torch::Tensor> parts;
     for (int64_t s = 0; s < rows; s += micro)
-      parts.push_back(sequence_logprobs(*model_, part_of(s, std::min(micro, rows - s)), config_.logprob_chunk));
+      parts.push_back(sequence_logprobs(*model_, part_of(s, std::min(micro, rows - s)), config_.logprob_chunk, config_.temperature));
     prox = torch::cat(parts, 0);
   } else if (recompute && dp_ && dp_->shards_parameters()) {
     WholeParameters whole(dp_.get());  // zero3's gather takes every rank, this one with no rows too
@@ -506,7 +507,7 @@ StepMetrics Trainer::grpo_step(const std::vector<RolloutGroup>& groups) {
     double loss_sum = 0, kl_sum = 0, clip_sum = 0, weight_sum = 0;
     for (int64_t s = 0; s < rows; s += micro) {
       const int64_t len = std::min(micro, rows - s);
-      auto logp = sequence_logprobs(*model_, part_of(s, len), config_.logprob_chunk, trunk_.get());
+      auto logp = sequence_logprobs(*model_, part_of(s, len), config_.logprob_chunk, config_.temperature, trunk_.get());
       grpo::LossInputs in{logp,
                           prox.defined() ? prox.narrow(0, s, len) : logp.detach(),
                           slice(packed.behaviour, s, len),

@@ -59,6 +59,9 @@ struct TrainerConfig {
   // exactly the trainer's (the config checks: eta 0, batch-invariant built-in engines in the
   // trainer's dtype, no LoRA). Saves the forward pass batch_invariant adds.
   bool reuse_behaviour_logprobs = false;
+  // RL steps take log-probs of logits / temperature: the generators' sampling temperature (1 for
+  // greedy), which their behaviour log-probs are of, so pi / mu compares like with like.
+  double temperature = 1.0;
 };
 
 // AdamW over `params` with the config's hyperparameters, and the learning rate at optimizer
@@ -118,10 +121,10 @@ struct SftExample {
   std::vector<int32_t> completion_ids;
 };
 
-// log pi(token) of every completion token of a group under `model`: [G][L_i]. Used by the
-// reference actor (pi_ref) and by tests; no gradient.
+// log pi(token) of every completion token of a group under `model`, of logits / temperature:
+// [G][L_i]. Used by the reference actor (pi_ref, the teacher) and by tests; no gradient.
 std::vector<std::vector<float>> completion_logprobs(TransformerImpl& model, const RolloutGroup& group,
-                                                    int64_t chunk = 128);
+                                                    int64_t chunk = 128, double temperature = 1.0);
 
 class Trainer {
  public:

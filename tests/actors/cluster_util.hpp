@@ -103,8 +103,8 @@ inline std::string read_file(const fs::path& p) {
 
 // Waits (60 s at most) until DIR/metrics.jsonl has `steps` lines.
 inline void wait_for_steps(const fs::path& dir, size_t steps) {
-  for (int i = 0; i < 6000 && metrics(dir).size() < steps; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  REQUIRE(metrics(dir).size() >= steps);
+  for (int i = 0; i < 6000 && steps_written(dir) < steps; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE(steps_written(dir) >= steps);
 }
 
 // The pids of the worker processes whose generators joined, from the run's log.

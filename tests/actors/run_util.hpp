@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,14 @@ inline std::vector<nlohmann::json> metrics(const std::filesystem::path& dir) {
   std::vector<nlohmann::json> out;
   for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
   return out;
+}
+
+// The lines of DIR/metrics.jsonl a running writer has finished, each ending in a newline,
+// unparsed: while it writes, a reader can catch it mid-line, which metrics() rightly refuses as
+// torn. For polling a live run; metrics() once it has stopped.
+inline size_t steps_written(const std::filesystem::path& dir) {
+  std::ifstream in(dir / "metrics.jsonl", std::ios::binary);
+  return static_cast<size_t>(std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n'));
 }
 
 // Largest |a - b| over every float32 tensor of two safetensors files.

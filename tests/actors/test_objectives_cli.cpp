@@ -134,12 +134,17 @@ TEST_CASE("model.batch_invariant: mismatch/kl is exactly 0 with float32 engines,
   const std::string args = "async.max_staleness=0 model.batch_invariant=true ";
   auto exact = learn("invariant", args, 20);
   auto reuse = learn("invariant_reuse", args + "trainer.reuse_behaviour_logprobs=true", 20);
+  // At another sampling temperature too: the trainer (and the reference) take log-probs of
+  // logits / temperature, as the engines record them.
+  auto cooler = learn("invariant_t07", args + "generator.temperature=0.7", 20);
   for (size_t i = 0; i < exact.size(); ++i) {
     CAPTURE(i);
     REQUIRE(exact[i]["mismatch/tokens"].get<int64_t>() > 0);
     CHECK(exact[i]["mismatch/kl"].get<double>() == 0.0);
     CHECK(exact[i]["correction/ratio_min"].get<double>() == 1.0);  // pi_prox / mu, every token
     CHECK(exact[i]["correction/ratio_max"].get<double>() == 1.0);
+    REQUIRE(cooler[i]["mismatch/tokens"].get<int64_t>() > 0);
+    CHECK(cooler[i]["mismatch/kl"].get<double>() == 0.0);
     for (const char* key : {"loss", "reward/mean", "grad_norm"}) CHECK(reuse[i][key] == exact[i][key]);
   }
   const auto last = fs::path("checkpoints") / "step_20" / "model.safetensors";

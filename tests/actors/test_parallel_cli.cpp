@@ -232,7 +232,7 @@ std::string read_log(const fs::path& log) {
 bool wait_steps(const fs::path& dir, size_t n) {
   auto until = Clock::now() + std::chrono::minutes(2);
   while (Clock::now() < until) {
-    if (metrics(dir).size() >= n) return true;
+    if (steps_written(dir) >= n) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return false;

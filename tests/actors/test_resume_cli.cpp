@@ -54,7 +54,7 @@ void check_resume(const std::string& config, const std::string& data, const std:
   }
   int64_t seen = 0;
   for (int i = 0; i < 60000 && seen < kill_at; ++i) {
-    seen = static_cast<int64_t>(metrics(killed).size());
+    seen = static_cast<int64_t>(steps_written(killed));
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   kill(pid, SIGKILL);  // `exec` made the shell the troupe process itself

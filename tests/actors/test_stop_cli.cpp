@@ -51,9 +51,9 @@ Running start(const std::string& config, const std::string& args, const std::str
     _exit(127);
   }
   auto until = Clock::now() + std::chrono::minutes(2);
-  while (Clock::now() < until && static_cast<int>(metrics(r.dir).size()) < steps)
+  while (Clock::now() < until && static_cast<int>(steps_written(r.dir)) < steps)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  if (static_cast<int>(metrics(r.dir).size()) < steps) {
+  if (static_cast<int>(steps_written(r.dir)) < steps) {
     kill(r.pid, SIGKILL);
     waitpid(r.pid, nullptr, 0);
     FAIL("the run wrote fewer than " << steps << " steps in two minutes:\n" << read(r.log));
