@@ -132,6 +132,20 @@ TEST_CASE("async grpo with dynamic sampling killed and resumed: the refills draw
   CHECK(state["refilled"].get<int64_t>() > 0);
 }
 
+TEST_CASE("dynamic sampling with eta 2 and weights every 2nd step, killed and resumed, ends where an uninterrupted run ends") {
+  auto format = fixtures() / "arithmetic" / "format.jsonl";
+  check_resume("tiny_arithmetic_grpo", "train.jsonl",
+               "trainer.sft_warmup.path=" + shell_quote(format.string()) +
+                   " trainer.dynamic_sampling=true generator.group_size=4 async.max_staleness=2 async.sync_every=2"
+                   " run.checkpoint_every=4",
+               30, {"model.safetensors"}, {"loss", "reward/mean", "rollouts/filtered", "dynamic_sampling/rounds"},
+               "_dynamic_sync2");
+  auto state = nlohmann::json::parse(std::ifstream(fixtures() / "resume_tiny_arithmetic_grpo_dynamic_sync2_killed" /
+                                                   "checkpoints" / "step_28" / "trainer_state.json"));
+  CHECK(state["rollout_batches"] == nlohmann::json::array({28, 29}));
+  CHECK(state["refilled"].get<int64_t>() > 0);
+}
+
 TEST_CASE("async ppo killed and resumed: the value head and its optimizer state come back too") {
   auto format = fixtures() / "arithmetic" / "format.jsonl";
   check_resume("tiny_arithmetic_ppo", "train.jsonl", "trainer.sft_warmup.path=" + shell_quote(format.string()), 30,
