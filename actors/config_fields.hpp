@@ -88,11 +88,10 @@ template <ConfigEnum E>
 void read(const Source& s, const std::string& path, const YAML::Node& n, const YAML::Mark& at, E& out) {
   std::string v;
   read(s, path, n, at, v);
-  for (const auto& named : names_of(out))
-    if (named.name == v) {
-      out = named.value;
-      return;
-    }
+  if (auto value = from_name<E>(v)) {
+    out = *value;
+    return;
+  }
   s.fail(path, at, "expected one of " + join(names(out)) + ", got " + quote(v) + did_you_mean(v, names(out)));
 }
 

@@ -21,12 +21,9 @@ using namespace caf;
 // prompt's own seed is set per ticket), and the rest of the spec. Enums by name.
 void to_json(nlohmann::json& j, PartialRollouts p) { j = std::string(to_string(p)); }
 void from_json(const nlohmann::json& j, PartialRollouts& p) {
-  for (const auto& n : kPartialRollouts)
-    if (n.name == j.get<std::string>()) {
-      p = n.value;
-      return;
-    }
-  throw Error("partial_rollouts: unknown mode " + j.dump());
+  auto value = from_name<PartialRollouts>(j.get<std::string>());
+  if (!value) throw Error("partial_rollouts: unknown mode " + j.dump());
+  p = *value;
 }
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineOptions, max_batch, max_seq_len, partial_rollouts, batch_invariant, seed)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SamplingParams, n, temperature, top_p, top_k, min_p, max_tokens, stop_token_ids, stop,

@@ -218,10 +218,8 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Ten
   // non_blocking: a small pageable copy is staged at once, without waiting for the forward pass.
   auto temperatures = torch::tensor(temperature).to(device, /*non_blocking=*/true).unsqueeze(1);  // (R, 1)
   // Batch-invariant: the log-softmax the trainer's recomputation runs, row by row (kernels/).
-  auto logp = invariant && device.is_cpu()
-                  ? kernels::bi_log_softmax(l, torch::tensor(std::vector<double>(temperature.begin(), temperature.end()),
-                                                             torch::kFloat64))
-                  : (l / temperatures).log_softmax(-1);  // (R, V)
+  auto logp = invariant && device.is_cpu() ? kernels::bi_log_softmax(l, temperatures.squeeze(1))
+                                          : (l / temperatures).log_softmax(-1);  // (R, V)
   // Gumbel-max: argmax(log p + g), g = -log(-log(u)), draws exactly from p. Each row's noise
   // comes from that sequence's own generator, so samples do not depend on the batch around
   // them; everything else runs on the whole batch at once.

@@ -3,6 +3,7 @@
 // the layers below it declare their own tables next to their enums. No behaviour beyond that.
 #pragma once
 
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -22,6 +23,14 @@ constexpr std::string_view to_string(E v) {
   for (const auto& n : names_of(v))
     if (n.value == v) return n.name;
   return "?";
+}
+
+// The value named `name`, or nullopt when the table has no such name.
+template <ConfigEnum E>
+constexpr std::optional<E> from_name(std::string_view name) {
+  for (const auto& n : names_of(E{}))
+    if (n.name == name) return n.value;
+  return std::nullopt;
 }
 
 }  // namespace troupe
