@@ -105,6 +105,11 @@ int64_t Engine::running() const {
 
 int64_t Engine::waiting() const { return static_cast<int64_t>(waiting_.size()); }
 
+void Engine::each_running(const std::function<void(uint64_t, int64_t, const std::vector<int32_t>&, const std::vector<float>&)>& f) const {
+  for (const auto& seq : slots_)
+    if (seq) f(seq->request_id, seq->index, seq->ids, seq->logprobs);
+}
+
 bool Engine::has_work() const { return running() > 0 || !waiting_.empty() || !finished_.empty(); }
 
 std::vector<int32_t> Engine::stop_ids_for(const SamplingParams& params) const {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -82,6 +83,10 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   int64_t running() const;  // sequences in slots
   int64_t waiting() const;  // samples queued for a slot
+  // Calls f(request_id, index, ids, logprobs) for every sequence in a slot, with its tokens so
+  // far (streaming and latency metrics read them between steps; nothing is copied here).
+  void each_running(const std::function<void(uint64_t request_id, int64_t index, const std::vector<int32_t>& ids,
+                                             const std::vector<float>& logprobs)>& f) const;
 
  private:
   struct Sequence;

@@ -1,5 +1,6 @@
 // `troupe serve`: vLLM's routes, fields and error bodies over one EngineLoop (many clients, one
-// batch), every field validated here first. No streaming, penalties or beam search: rejected, not ignored.
+// batch), every field validated here first, streaming as vLLM streams, and /metrics under vLLM's
+// metric names. No penalties or beam search: rejected, not ignored.
 #include "generator/server.hpp"
 
 #include <pthread.h>
@@ -15,7 +16,9 @@
 #include <functional>
 #include <iostream>
 #include <mutex>
+#include <optional>
 #include <random>
+#include <span>
 
 #include <httplib.h>
 #include <nlohmann/json.hpp>
@@ -242,8 +245,6 @@ void check_fields(const json& body, const char* route, const std::vector<std::st
 }
 
 const std::vector<Unsupported> kUnsupportedSampling = {
-    {"stream", {false}},
-    {"stream_options", {}},
     {"echo", {false}},
     {"best_of", {1}},
     {"use_beam_search", {false}},
@@ -273,7 +274,7 @@ const std::vector<Unsupported> kUnsupportedSampling = {
 
 const std::vector<std::string> kSamplingFields = {
     "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "include_stop_str_in_output", "ignore_eos", "return_token_ids", "return_tokens_as_token_ids"};
+    "include_stop_str_in_output", "ignore_eos", "return_token_ids", "return_tokens_as_token_ids", "stream", "stream_options"};
 
 std::vector<std::string> with(std::vector<std::string> a, std::initializer_list<const char*> more) {
   a.insert(a.end(), more.begin(), more.end());
@@ -340,6 +341,18 @@ struct Sampling {
   int64_t top_logprobs = 0;
   bool return_token_ids = false;
   bool tokens_as_ids = false;
+  bool stream = false;         // server-sent events instead of one JSON answer
+  bool include_usage = false;  // stream_options.include_usage: a last chunk with the usage
+};
+
+class GenerationStream;
+
+// A generation route's answer: a JSON body, or a stream of server-sent events.
+struct Reply {
+  Reply(json b) : body(std::move(b)) {}
+  Reply(std::shared_ptr<GenerationStream> s) : stream(std::move(s)) {}
+  json body;
+  std::shared_ptr<GenerationStream> stream;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -351,8 +364,9 @@ class Service {
 
   json health() const;
   json models() const;
-  json completions(const json& body);
-  json chat_completions(const json& body);
+  Reply completions(const json& body);
+  Reply chat_completions(const json& body);
+  std::string metrics() const;
   json tokenize(const json& body) const;
   json detokenize(const json& body) const;
   json init_weight_transfer_engine(const json& body) const;
@@ -387,13 +401,18 @@ class Service {
   std::vector<std::vector<Completion>> generate(const std::vector<std::vector<int32_t>>& prompts, const Sampling& s);
   json stop_reason(const Completion& c, const Sampling& s) const;
   std::string token_text(int32_t id, bool as_id) const;
-  json completion_logprobs(const Completion& c, const Sampling& s) const;
-  json chat_logprobs(const Completion& c, const Sampling& s) const;
+  // Over tokens [0, ids.size()); `offset` is the text offset of the first one, and is advanced.
+  json completion_logprobs(std::span<const int32_t> ids, std::span<const float> logprobs, const Sampling& s,
+                           size_t& offset) const;
+  json chat_logprobs(std::span<const int32_t> ids, std::span<const float> logprobs, const Sampling& s) const;
+  void parse_stream(const json& body, Sampling& s) const;
   void admit();
   void leave();
   void check_nccl_init(const json& info) const;
   std::map<std::string, torch::Tensor> read_update_dir(const std::string& path, const std::string& param) const;
   void apply(std::map<std::string, torch::Tensor> weights, int64_t version);
+
+  friend class GenerationStream;
 
   ServeOptions options_;
   std::string model_name_;
@@ -499,7 +518,23 @@ Sampling Service::parse_sampling(const json& body, bool chat) const {
   parse_logprobs(body, chat, s);
   s.return_token_ids = bool_field(body, "return_token_ids").value_or(false);
   s.tokens_as_ids = bool_field(body, "return_tokens_as_token_ids").value_or(false);
+  parse_stream(body, s);
   return s;
+}
+
+void Service::parse_stream(const json& body, Sampling& s) const {
+  s.stream = bool_field(body, "stream").value_or(false);
+  const json* options = field(body, "stream_options");
+  if (!options) return;
+  if (!s.stream) bad("stream_options", "Stream options can only be defined when `stream=True`.");
+  if (!options->is_object()) bad("stream_options", "`stream_options` must be an object, got " + type_name(*options));
+  nested("stream_options", [&] {
+    for (const auto& [key, value] : options->items())
+      if (key != "include_usage" && key != "continuous_usage_stats") bad(key, "unknown field `" + key + "`");
+    s.include_usage = bool_field(*options, "include_usage").value_or(false);
+    if (bool_field(*options, "continuous_usage_stats").value_or(false))
+      bad("continuous_usage_stats", "`continuous_usage_stats` = true is not supported by troupe serve (the last chunk carries the usage)");
+  });
 }
 
 void Service::parse_lengths(const json& body, bool chat, Sampling& s) const {
@@ -684,12 +719,12 @@ std::string Service::token_text(int32_t id, bool as_id) const {
 // The OpenAI completions logprobs object. token_logprobs are the engine's behaviour log-probs:
 // log-softmax of logits / temperature (temperature 1 when greedy), before top-k/top-p/min-p.
 // top_logprobs holds the sampled token only, whatever `logprobs` asked for.
-json Service::completion_logprobs(const Completion& c, const Sampling& s) const {
+json Service::completion_logprobs(std::span<const int32_t> ids, std::span<const float> logprobs, const Sampling& s,
+                                  size_t& offset) const {
   json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
-  size_t offset = 0;
-  for (size_t i = 0; i < c.ids.size(); ++i) {
-    std::string t = token_text(c.ids[i], s.tokens_as_ids);
-    double lp = clamp_logprob(c.logprobs[i]);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::string t = token_text(ids[i], s.tokens_as_ids);
+    double lp = clamp_logprob(logprobs[i]);
     tokens.push_back(t);
     lps.push_back(lp);
     tops.push_back(json{{t, lp}});
@@ -700,11 +735,11 @@ json Service::completion_logprobs(const Completion& c, const Sampling& s) const 
 }
 
 // The chat logprobs object; top_logprobs lists the sampled token only (when top_logprobs > 0).
-json Service::chat_logprobs(const Completion& c, const Sampling& s) const {
+json Service::chat_logprobs(std::span<const int32_t> ids, std::span<const float> logprobs, const Sampling& s) const {
   json content = json::array();
-  for (size_t i = 0; i < c.ids.size(); ++i) {
-    std::string t = token_text(c.ids[i], s.tokens_as_ids);
-    json entry = {{"token", t}, {"logprob", clamp_logprob(c.logprobs[i])}, {"bytes", utf8_bytes(t)}};
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::string t = token_text(ids[i], s.tokens_as_ids);
+    json entry = {{"token", t}, {"logprob", clamp_logprob(logprobs[i])}, {"bytes", utf8_bytes(t)}};
     entry["top_logprobs"] = s.top_logprobs > 0 ? json::array({entry}) : json::array();
     content.push_back(entry);
   }
@@ -723,12 +758,256 @@ json usage(int64_t prompt_tokens, int64_t completion_tokens) {
           {"prompt_tokens_details", nullptr}};
 }
 
-json Service::completions(const json& body) {
+// ---------------------------------------------------------------------------------------
+// Streaming: server-sent events in vLLM's chunk format, "data: {chunk}\n\n" per chunk, then
+// "data: [DONE]\n\n". A chunk per choice carries the tokens sampled since its last chunk; chat
+// opens each choice with a {"role": "assistant"} delta; the choice's last chunk has its
+// finish_reason; with stream_options.include_usage every chunk has "usage": null and one more
+// chunk with no choices carries the usage. An error after the stream began is one
+// `data: {"error": ...}` event, then [DONE], as vLLM ends a failed stream.
+
+// How much of a choice's decoded text a stream may show yet: not the U+FFFD at its end (a
+// character whose bytes are not all sampled yet) nor a tail that begins a stop string (the
+// engine cuts the text where the stop string completes).
+size_t releasable(const std::string& text, const std::vector<std::string>& stops) {
+  static const std::string replacement = "\xEF\xBF\xBD";
+  size_t end = text.size();
+  while (end >= replacement.size() && text.compare(end - replacement.size(), replacement.size(), replacement) == 0)
+    end -= replacement.size();
+  size_t hold = 0;
+  for (const auto& stop : stops)
+    for (size_t k = std::min(stop.size() - 1, end); k > hold; --k)
+      if (text.compare(end - k, k, stop, 0, k) == 0) {
+        hold = k;
+        break;
+      }
+  return end - hold;
+}
+
+std::string event(const json& chunk) {
+  return "data: " + chunk.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+}
+
+// What the engine's thread hands a stream (EngineLoop::Watch): each choice's tokens so far,
+// and its completion once it has finished.
+struct StreamFeed {
+  struct Choice {
+    std::vector<int32_t> ids;
+    std::vector<float> logprobs;
+    std::optional<Completion> done;
+  };
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::vector<Choice> choices;  // [prompts * n]: prompt r's sample i is choice r * n + i
+};
+
+// One streamed request: its prompts run as engine requests that the HTTP thread follows in
+// run(). It counts as in flight (for /pause?mode=wait) from construction to destruction;
+// destroyed unfinished (the client went away), it cancels its requests, which frees their slots.
+class GenerationStream {
+ public:
+  GenerationStream(Service& service, bool chat, Sampling s, const std::vector<std::vector<int32_t>>& prompts);
+  ~GenerationStream();
+  GenerationStream(const GenerationStream&) = delete;
+  GenerationStream& operator=(const GenerationStream&) = delete;
+
+  // Writes the events through `write` to the end; false when a write failed (the client went away).
+  bool run(const std::function<bool(const std::string&)>& write);
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Sent {                   // one choice, as the client has seen it
+    std::vector<int32_t> ids;     // tokens taken from the feed
+    std::vector<float> logprobs;
+    size_t tokens = 0;            // of `ids`, those already in a chunk
+    size_t text = 0;              // bytes of the text already in a chunk
+    size_t text_offset = 0;       // completions' logprobs.text_offset of the next token
+    bool finished = false;
+  };
+
+  json chunk(json choices) const;
+  json choice(size_t i, const std::string& text, const Completion* done);
+  std::optional<std::string> error();
+  void cancel();
+
+  Service& service_;
+  bool chat_;
+  Sampling s_;
+  std::string id_;
+  int64_t created_ = now_seconds();
+  int64_t prompt_tokens_ = 0;
+  std::shared_ptr<StreamFeed> feed_ = std::make_shared<StreamFeed>();
+  std::vector<std::shared_ptr<EngineLoop::Watch>> watches_;
+  std::vector<std::future<std::vector<Completion>>> futures_;  // emptied (invalid) once read
+  std::vector<Sent> sent_;
+  bool ended_ = false;  // [DONE] written
+};
+
+GenerationStream::GenerationStream(Service& service, bool chat, Sampling s, const std::vector<std::vector<int32_t>>& prompts)
+    : service_(service), chat_(chat), s_(std::move(s)), id_((chat ? "chatcmpl-" : "cmpl-") + random_hex(32)) {
+  service_.admit();
+  const auto n = static_cast<size_t>(s_.params.n);
+  feed_->choices.resize(prompts.size() * n);
+  sent_.resize(prompts.size() * n);
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    prompt_tokens_ += static_cast<int64_t>(prompts[r].size());
+    auto watch = std::make_shared<EngineLoop::Watch>();
+    std::weak_ptr<StreamFeed> feed = feed_;
+    watch->tokens = [feed, r, n](int64_t index, const std::vector<int32_t>& ids, const std::vector<float>& logprobs) {
+      auto f = feed.lock();
+      if (!f) return;
+      std::lock_guard lock(f->mutex);
+      auto& c = f->choices[r * n + index];
+      c.ids.insert(c.ids.end(), ids.begin() + static_cast<std::ptrdiff_t>(std::min(c.ids.size(), ids.size())), ids.end());
+      c.logprobs.insert(c.logprobs.end(), logprobs.begin() + static_cast<std::ptrdiff_t>(std::min(c.logprobs.size(), logprobs.size())),
+                        logprobs.end());
+      f->changed.notify_one();
+    };
+    watch->done = [feed, r, n](const Completion& c) {
+      auto f = feed.lock();
+      if (!f) return;
+      std::lock_guard lock(f->mutex);
+      f->choices[r * n + c.index].done = c;
+      f->changed.notify_one();
+    };
+    futures_.push_back(service_.loop_->submit(prompts[r], s_.params, watch));
+    watches_.push_back(std::move(watch));
+  }
+}
+
+GenerationStream::~GenerationStream() {
+  if (!ended_) cancel();
+  service_.leave();
+}
+
+void GenerationStream::cancel() {
+  for (auto& w : watches_) service_.loop_->cancel(*w);
+}
+
+json GenerationStream::chunk(json choices) const {
+  json c = {{"id", id_},
+            {"object", chat_ ? "chat.completion.chunk" : "text_completion"},
+            {"created", created_},
+            {"model", service_.model_name_},
+            {"choices", std::move(choices)}};
+  if (s_.include_usage) c["usage"] = nullptr;
+  return c;
+}
+
+// Choice i's tokens since its last chunk, with `text`; the last one (`done`) also says why it ended.
+json GenerationStream::choice(size_t i, const std::string& text, const Completion* done) {
+  Sent& sent = sent_[i];
+  const std::span<const int32_t> ids(sent.ids.data() + sent.tokens, sent.ids.size() - sent.tokens);
+  const std::span<const float> logprobs(sent.logprobs.data() + sent.tokens, sent.logprobs.size() - sent.tokens);
+  json c = {{"index", i}};
+  if (chat_) {
+    c["delta"] = {{"content", text}};
+    c["logprobs"] = s_.logprobs ? service_.chat_logprobs(ids, logprobs, s_) : json(nullptr);
+  } else {
+    c["text"] = text;
+    c["logprobs"] = s_.logprobs ? service_.completion_logprobs(ids, logprobs, s_, sent.text_offset) : json(nullptr);
+  }
+  c["finish_reason"] = done ? json(finish_reason_name(done->finish_reason)) : json(nullptr);
+  c["stop_reason"] = done ? service_.stop_reason(*done, s_) : json(nullptr);
+  if (s_.return_token_ids) c["token_ids"] = json(std::vector<int32_t>(ids.begin(), ids.end()));
+  if (done) c["troupe"] = troupe_extension(*done);
+  sent.tokens = sent.ids.size();
+  sent.text += text.size();
+  return c;
+}
+
+// Why the requests failed, once one has (the engine's Error, or the server shutting down).
+std::optional<std::string> GenerationStream::error() {
+  for (auto& f : futures_) {
+    if (!f.valid() || f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
+    try {
+      f.get();  // completions: the feed has them already (Watch::done)
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+  }
+  return std::nullopt;
+}
+
+bool GenerationStream::run(const std::function<bool(const std::string&)>& write) {
+  auto last_write = Clock::now();
+  auto send = [&](const std::string& text) {
+    last_write = Clock::now();
+    return write(text);
+  };
+  if (chat_)
+    for (size_t i = 0; i < sent_.size(); ++i)
+      if (!send(event(chunk(json::array({{{"index", i},
+                                          {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                          {"logprobs", nullptr},
+                                          {"finish_reason", nullptr}}})))))
+        return false;
+  int64_t completion_tokens = 0;
+  size_t open = sent_.size();
+  while (open > 0) {
+    std::vector<std::optional<Completion>> done(sent_.size());
+    {
+      std::unique_lock lock(feed_->mutex);
+      feed_->changed.wait_for(lock, std::chrono::milliseconds(20));
+      for (size_t i = 0; i < sent_.size(); ++i) {
+        auto& from = feed_->choices[i];
+        auto& to = sent_[i];
+        if (to.finished) continue;
+        to.ids.insert(to.ids.end(), from.ids.begin() + static_cast<std::ptrdiff_t>(to.ids.size()), from.ids.end());
+        to.logprobs.insert(to.logprobs.end(), from.logprobs.begin() + static_cast<std::ptrdiff_t>(to.logprobs.size()),
+                           from.logprobs.end());
+        done[i] = std::move(from.done);
+        from.done.reset();
+      }
+    }
+    for (size_t i = 0; i < sent_.size(); ++i) {
+      Sent& sent = sent_[i];
+      if (sent.finished) continue;
+      if (done[i]) {
+        const Completion& c = *done[i];
+        sent.ids = c.ids;  // the completion is the truth: the feed may lack its last tokens
+        sent.logprobs = c.logprobs;
+        sent.tokens = std::min(sent.tokens, sent.ids.size());
+        const std::string rest = c.text.substr(std::min(sent.text, c.text.size()));
+        sent.finished = true;
+        --open;
+        completion_tokens += static_cast<int64_t>(c.ids.size());
+        if (!send(event(chunk(json::array({choice(i, rest, &c)}))))) return false;
+        continue;
+      }
+      if (sent.ids.size() == sent.tokens || !service_.tokenizer_) continue;
+      const std::string text = service_.tokenizer_->decode(sent.ids, /*skip_special_tokens=*/true);
+      const size_t end = releasable(text, s_.params.stop);
+      if (end <= sent.text) continue;  // nothing new to show yet: the tokens wait for the next chunk
+      if (!send(event(chunk(json::array({choice(i, text.substr(sent.text, end - sent.text), nullptr)}))))) return false;
+    }
+    if (open == 0) break;
+    if (auto why = error()) {
+      const int status = service_.loop_->stopped() ? 503 : 400;
+      send(event(error_body(status, status == 503 ? "ServiceUnavailableError" : "BadRequestError", *why, "")));
+      ended_ = true;
+      return send("data: [DONE]\n\n");
+    }
+    // Nothing to say for a while (queued, or text held back): an SSE comment, which clients
+    // skip, tells whether the client is still there; a failed write cancels the request.
+    if (Clock::now() - last_write > std::chrono::seconds(1) && !send(": waiting\n\n")) return false;
+  }
+  if (s_.include_usage) {
+    json last = chunk(json::array());
+    last["usage"] = usage(prompt_tokens_, completion_tokens);
+    if (!send(event(last))) return false;
+  }
+  ended_ = true;
+  return send("data: [DONE]\n\n");
+}
+
+Reply Service::completions(const json& body) {
   check_fields(body, "/v1/completions", with(kSamplingFields, {"prompt", "logprobs"}), kUnsupportedSampling);
   check_model(body);
   Sampling s = parse_sampling(body, /*chat=*/false);
   auto prompts = parse_prompts(body);
   for (const auto& p : prompts) fit_max_tokens(s, static_cast<int64_t>(p.size()), "prompt");
+  if (s.stream) return std::make_shared<GenerationStream>(*this, /*chat=*/false, s, prompts);
   auto results = generate(prompts, s);
 
   json choices = json::array();
@@ -737,9 +1016,10 @@ json Service::completions(const json& body) {
     prompt_tokens += static_cast<int64_t>(prompts[r].size());
     for (const Completion& c : results[r]) {
       completion_tokens += static_cast<int64_t>(c.ids.size());
+      size_t offset = 0;
       json choice = {{"index", static_cast<int64_t>(r) * s.params.n + c.index},
                      {"text", c.text},
-                     {"logprobs", s.logprobs ? completion_logprobs(c, s) : json(nullptr)},
+                     {"logprobs", s.logprobs ? completion_logprobs(c.ids, c.logprobs, s, offset) : json(nullptr)},
                      {"finish_reason", finish_reason_name(c.finish_reason)},
                      {"stop_reason", stop_reason(c, s)},
                      {"token_ids", s.return_token_ids ? json(c.ids) : json(nullptr)},
@@ -749,13 +1029,14 @@ json Service::completions(const json& body) {
       choices.push_back(std::move(choice));
     }
   }
-  return {{"id", "cmpl-" + random_hex(32)},
-          {"object", "text_completion"},
-          {"created", now_seconds()},
-          {"model", model_name_},
-          {"choices", choices},
-          {"system_fingerprint", nullptr},
-          {"usage", usage(prompt_tokens, completion_tokens)}};
+  json out = {{"id", "cmpl-" + random_hex(32)},
+              {"object", "text_completion"},
+              {"created", now_seconds()},
+              {"model", model_name_},
+              {"choices", choices},
+              {"system_fingerprint", nullptr},
+              {"usage", usage(prompt_tokens, completion_tokens)}};
+  return out;
 }
 
 // OpenAI messages: content is a string, or a list of parts of which only text parts are allowed.
@@ -809,7 +1090,7 @@ const std::vector<Unsupported> kUnsupportedChat = with(
                            {"documents", {}},
                            {"reasoning_effort", {}}});
 
-json Service::chat_completions(const json& body) {
+Reply Service::chat_completions(const json& body) {
   check_fields(body, "/v1/chat/completions",
                with(kSamplingFields, {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt"}),
                kUnsupportedChat);
@@ -820,6 +1101,7 @@ json Service::chat_completions(const json& body) {
   auto prompt = render_chat(chat_template(), tokenizer("messages"), messages, add_generation_prompt);
   if (!s.max_tokens_given) s.params.max_tokens = options_.max_tokens;
   fit_max_tokens(s, static_cast<int64_t>(prompt.size()), "messages");
+  if (s.stream) return std::make_shared<GenerationStream>(*this, /*chat=*/true, s, std::vector<std::vector<int32_t>>{prompt});
   auto results = generate({prompt}, s);
 
   json choices = json::array();
@@ -828,22 +1110,74 @@ json Service::chat_completions(const json& body) {
     completion_tokens += static_cast<int64_t>(c.ids.size());
     json choice = {{"index", c.index},
                    {"message", {{"role", "assistant"}, {"content", c.text}, {"reasoning_content", nullptr}, {"tool_calls", json::array()}}},
-                   {"logprobs", s.logprobs ? chat_logprobs(c, s) : json(nullptr)},
+                   {"logprobs", s.logprobs ? chat_logprobs(c.ids, c.logprobs, s) : json(nullptr)},
                    {"finish_reason", finish_reason_name(c.finish_reason)},
                    {"stop_reason", stop_reason(c, s)},
                    {"token_ids", s.return_token_ids ? json(c.ids) : json(nullptr)},
                    {"troupe", troupe_extension(c)}};
     choices.push_back(std::move(choice));
   }
-  return {{"id", "chatcmpl-" + random_hex(32)},
-          {"object", "chat.completion"},
-          {"created", now_seconds()},
-          {"model", model_name_},
-          {"choices", choices},
-          {"system_fingerprint", nullptr},
-          {"usage", usage(static_cast<int64_t>(prompt.size()), completion_tokens)},
-          {"prompt_logprobs", nullptr},
-          {"prompt_token_ids", s.return_token_ids ? json(prompt) : json(nullptr)}};
+  json out = {{"id", "chatcmpl-" + random_hex(32)},
+              {"object", "chat.completion"},
+              {"created", now_seconds()},
+              {"model", model_name_},
+              {"choices", choices},
+              {"system_fingerprint", nullptr},
+              {"usage", usage(static_cast<int64_t>(prompt.size()), completion_tokens)},
+              {"prompt_logprobs", nullptr},
+              {"prompt_token_ids", s.return_token_ids ? json(prompt) : json(nullptr)}};
+  return out;
+}
+
+// Prometheus' text format (0.0.4) under vLLM's metric names, each labelled with the served model
+// name as vLLM labels them. No Debian package offers a C++ Prometheus client, so the few lines of
+// the format are written here. Samples are counted per choice (vLLM's n > 1 child requests).
+std::string Service::metrics() const {
+  const LoopStats st = loop_->stats();
+  std::string model;  // a label value escapes backslash, quote and newline
+  for (char c : model_name_) model += c == '\n' ? std::string("\\n") : c == '\\' || c == '"' ? std::string("\\") + c : std::string(1, c);
+  const std::string label = "model_name=\"" + model + "\"";
+  std::string out;
+  auto number = [](double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    return std::string(buf);
+  };
+  auto head = [&](const char* name, const char* type, const char* help) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  };
+  auto sample = [&](const std::string& name, const std::string& labels, double v) {
+    out += name + "{" + labels + "} " + number(v) + "\n";
+  };
+  head("vllm:num_requests_running", "gauge", "Number of sequences in decode slots.");
+  sample("vllm:num_requests_running", label, static_cast<double>(st.running));
+  head("vllm:num_requests_waiting", "gauge", "Number of samples waiting for a decode slot.");
+  sample("vllm:num_requests_waiting", label, static_cast<double>(st.waiting));
+  head("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed (once per prompt).");
+  sample("vllm:prompt_tokens_total", label, static_cast<double>(st.prompt_tokens));
+  head("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.");
+  sample("vllm:generation_tokens_total", label, static_cast<double>(st.generation_tokens));
+  head("vllm:request_success_total", "counter", "Count of finished samples, by finish reason.");
+  for (const char* reason : {"stop", "length", "abort"}) {
+    auto it = st.finished.find(reason);
+    sample("vllm:request_success_total", label + ",finished_reason=\"" + reason + "\"",
+           static_cast<double>(it == st.finished.end() ? 0 : it->second));
+  }
+  auto histogram = [&](const char* name, const char* help, const Histogram& h) {
+    head(name, "histogram", help);
+    int64_t cumulative = 0;
+    for (size_t i = 0; i < h.bounds.size(); ++i) {
+      cumulative += h.counts[i];
+      sample(std::string(name) + "_bucket", label + ",le=\"" + number(h.bounds[i]) + "\"", static_cast<double>(cumulative));
+    }
+    sample(std::string(name) + "_bucket", label + ",le=\"+Inf\"", static_cast<double>(h.count));
+    sample(std::string(name) + "_sum", label, h.sum);
+    sample(std::string(name) + "_count", label, static_cast<double>(h.count));
+  };
+  histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", st.time_to_first_token);
+  histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", st.inter_token_latency);
+  histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", st.e2e_latency);
+  return out;
 }
 
 // vLLM's /tokenize: {"prompt": text} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}.
@@ -1126,7 +1460,7 @@ json Service::is_paused() const {
 // ---------------------------------------------------------------------------------------
 // HTTP wiring.
 
-using Route = std::function<json(const json& input)>;
+using Route = std::function<Reply(const json& input)>;
 
 // What a route reads: its JSON body (which may be empty), or its query string as an object of strings.
 enum class Input { body, body_or_empty, query };
@@ -1145,12 +1479,20 @@ httplib::Server::Handler json_route(Route route, Input input = Input::body) {
       json in = input == Input::query ? query_of(req)
                 : req.method == "GET" ? json::object()
                                       : parse_body(req, input == Input::body_or_empty);
-      json out = route(in);
-      if (out.is_null()) {
+      Reply out = route(in);
+      if (out.stream) {
+        res.set_chunked_content_provider("text/event-stream", [stream = out.stream](size_t, httplib::DataSink& sink) {
+          if (!stream->run([&](const std::string& text) { return sink.write(text.data(), text.size()); })) return false;
+          sink.done();
+          return true;
+        });
+        return;
+      }
+      if (out.body.is_null()) {
         res.status = 200;  // /health: an empty 200, as vLLM answers
         return;
       }
-      send_json(res, 200, out);
+      send_json(res, 200, out.body);
     } catch (const HttpError& e) {
       send_error(res, e.status, e.type, e.what(), e.param);
     } catch (const Error& e) {
@@ -1170,6 +1512,9 @@ void add_routes(httplib::Server& http, Service& service) {
   http.Get("/is_paused", json_route([s](const json&) { return s->is_paused(); }));
   http.Get("/weight_info", json_route([s](const json&) { return s->weight_info(); }));
   http.Get("/get_world_size", json_route([s](const json&) { return s->world_size(); }));
+  http.Get("/metrics", [s](const httplib::Request&, httplib::Response& res) {
+    res.set_content(s->metrics(), "text/plain; version=0.0.4; charset=utf-8");
+  });
   http.Post("/v1/completions", json_route([s](const json& b) { return s->completions(b); }));
   http.Post("/v1/chat/completions", json_route([s](const json& b) { return s->chat_completions(b); }));
   http.Post("/tokenize", json_route([s](const json& b) { return s->tokenize(b); }));

@@ -1,5 +1,5 @@
 // `troupe serve`: vLLM's OpenAI-compatible HTTP API (completions, chat, tokenize, weight
-// updates from disk) over one batched Engine. Non-streaming only; no TLS, no multi-model
+// updates from disk, streaming, /metrics) over one batched Engine. No TLS, no multi-model
 // routing, no NCCL weight transfer.
 #pragma once
 
@@ -28,7 +28,13 @@ struct ServeOptions {
 };
 
 // Routes (vLLM 0.33.0's names, fields and answers): GET /health, /v1/models, /is_paused,
-// /weight_info, /get_world_size; POST /v1/completions, /v1/chat/completions, /tokenize,
+// /weight_info, /get_world_size, /metrics (Prometheus text: vllm:num_requests_running and
+// _waiting, vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:request_success_total by
+// finished_reason, and histograms vllm:time_to_first_token_seconds,
+// vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds; it needs the API key like
+// every route but /health); POST /v1/completions, /v1/chat/completions (both with "stream": true
+// and stream_options.include_usage as vLLM streams; a client that disconnects mid-stream has its
+// request aborted, which frees its slots), /tokenize,
 // /detokenize, and the weight sync of a trainer:
 //   /pause?mode=wait|keep (wait: admitted requests finish, new ones get 503 until /resume;
 //   keep: running sequences freeze, new ones queue; mode=abort, vLLM's default, is refused),

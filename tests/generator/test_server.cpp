@@ -237,6 +237,52 @@ TEST_CASE("stop strings and stop token ids report stop_reason") {
   CHECK(s["choices"][0]["text"].get<std::string>().find(stop) == std::string::npos);
 }
 
+// The official OpenAI client (stream=True, include_usage, closing a stream mid-way) and
+// prometheus_client's parser of /metrics, in tests/generator/check_openai_stream.py.
+TEST_CASE("the OpenAI client streams chat and completions; /metrics counts them; a closed stream frees its slot") {
+  const std::string script = (troupe::test::source() / "tests" / "generator" / "check_openai_stream.py").string();
+  const std::string cmd = shell_quote(env_dir("TROUPE_PYTHON").string()) + " " + shell_quote(script) + " " +
+                          shell_quote("http://127.0.0.1:" + std::to_string(server().port)) + " " + kApiKey + " " + kModelName +
+                          " 2>&1";
+  auto r = troupe::test::run_command("timeout 600 " + cmd);
+  MESSAGE(r.out);
+  CHECK_MESSAGE(r.status == 0, cmd);
+  CHECK(r.out.find("all streaming checks passed") != std::string::npos);
+}
+
+TEST_CASE("a raw stream is server-sent events: data chunks, then data: [DONE]") {
+  auto res = client()->Post("/v1/completions",
+                            json{{"model", kModelName}, {"prompt", kPrompt}, {"max_tokens", 8}, {"temperature", 0}, {"stream", true}}.dump(),
+                            "application/json");
+  REQUIRE(res);
+  CHECK(res->status == 200);
+  CHECK(res->get_header_value("Content-Type").rfind("text/event-stream", 0) == 0);
+  const std::string& body = res->body;
+  REQUIRE(body.size() > 14);
+  CHECK(body.substr(body.size() - 14) == "data: [DONE]\n\n");
+  std::string text;
+  size_t events = 0;
+  for (size_t at = 0; at < body.size();) {
+    size_t end = body.find("\n\n", at);
+    REQUIRE(end != std::string::npos);
+    std::string line = body.substr(at, end - at);
+    at = end + 2;
+    if (line.rfind(":", 0) == 0) continue;  // an SSE comment
+    REQUIRE(line.rfind("data: ", 0) == 0);
+    if (line == "data: [DONE]") {
+      CHECK(at == body.size());
+      break;
+    }
+    json chunk = json::parse(line.substr(6));
+    CHECK(chunk["object"] == "text_completion");
+    CHECK(!chunk.contains("usage"));  // only with stream_options.include_usage
+    text += chunk["choices"][0]["text"].get<std::string>();
+    ++events;
+  }
+  CHECK(events >= 1);
+  CHECK(text == greedy(kPrompt, 8)["choices"][0]["text"].get<std::string>());
+}
+
 TEST_CASE("tokenize and detokenize round trip") {
   const std::string text = "Héllo, wörld! 123 + 456 = 579 ✓";
   json t = ok("/tokenize", {{"prompt", text}, {"return_token_strs", true}});
@@ -278,7 +324,14 @@ TEST_CASE("malformed requests get a 400 with vLLM's error body, and the server k
       {"/v1/completions", R"({"prompt": "hi", "stop_token_ids": [99999999]})", "stop_token_ids"},
       {"/v1/completions", R"({"prompt": "hi", "logprobs": 100})", "logprobs"},
       {"/v1/completions", R"({"prompt": "hi", "logprobs": -2})", "logprobs"},
-      {"/v1/completions", R"({"prompt": "hi", "stream": true})", "stream"},
+      {"/v1/completions", R"({"prompt": "hi", "stream": "yes"})", "stream"},
+      {"/v1/completions", R"({"prompt": "hi", "stream_options": {"include_usage": true}})", "stream_options"},
+      {"/v1/completions", R"({"prompt": "hi", "stream": true, "stream_options": 3})", "stream_options"},
+      {"/v1/completions", R"({"prompt": "hi", "stream": true, "stream_options": {"include_usage": 1}})", "stream_options.include_usage"},
+      {"/v1/completions", R"({"prompt": "hi", "stream": true, "stream_options": {"continuous_usage_stats": true}})",
+       "stream_options.continuous_usage_stats"},
+      {"/v1/completions", R"({"prompt": "hi", "stream": true, "stream_options": {"every_token": true}})", "stream_options.every_token"},
+      {"/v1/completions", R"({"prompt": "hi", "stream": true, "max_tokens": 100000})", "max_tokens"},
       {"/v1/completions", R"({"prompt": "hi", "presence_penalty": 0.5})", "presence_penalty"},
       {"/v1/completions", R"({})", "prompt"},
       {"/v1/completions", R"({"prompt": ""})", "prompt"},
