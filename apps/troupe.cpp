@@ -19,6 +19,7 @@
 #include "actors/launch.hpp"
 #include "actors/run.hpp"
 #include "actors/worker.hpp"
+#include "apps/plot.hpp"
 #include "generator/generate.hpp"
 #include "generator/server.hpp"
 #include "policy/chat_template.hpp"
@@ -236,6 +237,16 @@ int run_ls() {
   return 0;
 }
 
+// `troupe plot`: a line per series drawn, then the file; what was skipped goes to stderr.
+int run_plot(const PlotOptions& options) {
+  auto result = plot_runs(options);
+  for (const auto& note : result.notes) std::cerr << "troupe plot: " << note << std::endl;
+  for (const auto& s : result.series) std::cout << s.run << " " << s.metric << ": " << s.points << " points\n";
+  std::cout << "wrote " << options.output << " (" << options.width << "x" << options.height
+            << (result.device == "pngcairo" ? " px" : " pt") << ")" << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 std::atomic<bool> g_stop{false};
@@ -395,6 +406,21 @@ int main(int argc, char** argv) {
 
   auto* ls_cmd = app.add_subcommand("ls", "List the recipes and the configs in ./configs/ (recipe and summary of each)");
 
+  PlotOptions plot;
+  auto* plot_cmd = app.add_subcommand("plot", "Draw runs' metrics.jsonl curves into a PNG or SVG, runs overlaid");
+  plot_cmd->add_option("runs", plot.runs, "Run folders (each with a metrics.jsonl), or metrics.jsonl files")->required();
+  plot_cmd->add_option("--metrics", plot.metrics, "Comma-separated metrics, one panel each, top to bottom "
+                       "(default: reward/mean and loss, those the runs logged)")
+      ->delimiter(',')->allow_extra_args(false);
+  plot_cmd->add_option("-o,--output", plot.output, "The image; .png or .svg decides the format")->capture_default_str();
+  plot_cmd->add_option("--width", plot.width, "Image width in pixels")->capture_default_str()->check(CLI::Range(400, 20000));
+  plot_cmd->add_option("--height", plot.height, "Image height in pixels, shared by the panels")
+      ->capture_default_str()->check(CLI::Range(150, 20000));
+  plot_cmd->footer("Each panel plots one metric against \"step\", one colour per run, legend \"RUN METRIC\". "
+                   "A line where the metric is null or missing is skipped (no point there; the curve joins its "
+                   "neighbours), and so is a torn last line of a run still writing. Prints the points drawn per "
+                   "series. Example: troupe plot runs/a runs/b --metrics reward/mean,kl -o curves.svg");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*generate_cmd) return run_generate(gen);
@@ -402,6 +428,7 @@ int main(int argc, char** argv) {
     if (*serve_cmd) return serve(srv);
     if (*run_cmd) return run_from_config(run_config_path, run_overrides);
     if (*ls_cmd) return run_ls();
+    if (*plot_cmd) return run_plot(plot);
     if (*worker_cmd) {
       auto colon = worker_connect.rfind(':');
       int port = colon == std::string::npos ? -1 : std::atoi(worker_connect.c_str() + colon + 1);

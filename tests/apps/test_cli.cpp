@@ -44,7 +44,7 @@ std::string last_line(const std::string& s) {
 TEST_CASE("--help lists the subcommands") {
   auto r = run_troupe("--help");
   CHECK(r.status == 0);
-  for (const char* cmd : {"generate", "tokenize", "eval", "convert"}) CHECK(r.out.find(cmd) != std::string::npos);
+  for (const char* cmd : {"generate", "tokenize", "eval", "convert", "plot"}) CHECK(r.out.find(cmd) != std::string::npos);
 }
 
 TEST_CASE("the imported SmolLM2 has a low perplexity on GSM8K questions") {
