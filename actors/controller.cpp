@@ -1,7 +1,8 @@
 // The controller: spawns and monitors the graph, hands out prompt credits, forwards weight
 // notices to every generator (and the newest to each one that joins), frees weight files no
-// generator needs, writes metrics.jsonl and the progress line, and ends the run. Accounting
-// (issued, trained, filtered, failed tickets) arrives in messages and leaves in the RunSummary.
+// generator needs, writes metrics.jsonl, samples.jsonl, TensorBoard's tb/ and the progress line,
+// and ends the run. Accounting (issued, trained, filtered, failed tickets) arrives in messages
+// and leaves in the RunSummary.
 #include "actors/controller.hpp"
 
 #include <cmath>
@@ -15,8 +16,10 @@
 
 #include "actors/actor_util.hpp"
 #include "actors/generator_pool.hpp"
+#include "actors/recipe_run.hpp"
 #include "actors/stage_actors.hpp"
 #include "actors/stage_router.hpp"
+#include "actors/tensorboard.hpp"
 #include "actors/trainer_actor.hpp"
 #include "actors/weight_plane.hpp"
 #include "policy/lora.hpp"
@@ -40,6 +43,8 @@ struct ControllerState {
   // the data actor answers; std::deque keeps the slot's address while it waits).
   std::deque<std::variant<WeightsReady, std::optional<PromptBatch>>> outbox;
   GeneratorPool pool;
+  std::optional<Pace> pace;  // from the controller's start
+  bool colour = colour_terminal();
   int64_t expected_generators = 0;  // live before the first credits go out
   std::vector<actor> all;           // every actor to stop at the end
   int64_t issued_batches = 0;
@@ -48,7 +53,8 @@ struct ControllerState {
   std::map<int64_t, WeightsReady> notices;  // versions on the weight plane, newest last
   double load_s = 0;                         // slowest generator load since the last report
   RunSummary summary;
-  std::ofstream metrics;
+  std::ofstream metrics, samples;  // run_dir/metrics.jsonl, samples.jsonl (a few completions per step)
+  std::unique_ptr<RunBoard> board;  // run_dir/tb: the same, for TensorBoard
   using Clock = std::chrono::steady_clock;
   Clock::time_point began = Clock::now();
   Clock::time_point none_live_since = Clock::now();  // when the last generator went away
@@ -181,13 +187,22 @@ bool lose_generator(Self self, const down_msg& dm) {
 void report(Self self, const StepReport& r) {
   auto& st = self->state;
   auto j = nlohmann::json::parse(r.json);
+  // The trainer's few decoded samples travel in the report; they go to samples.jsonl, not metrics.
+  nlohmann::json samples = j.contains("samples") ? std::move(j["samples"]) : nlohmann::json::array();
+  j.erase("samples");
   j["time/weights_load_s"] = st.load_s;
   st.load_s = 0;
   j["generators/live"] = st.pool.live();
   j["generators/prompts"] = st.pool.take_handed();
   auto line = j.dump();
   if (st.metrics.is_open()) st.metrics << line << "\n" << std::flush;
-  if (!st.spec->quiet) std::cout << progress_line(j, st.spec->steps) << std::endl;
+  if (st.board) st.board->metrics(j);
+  if (st.samples.is_open() && !samples.empty()) {
+    nlohmann::json shown = {{"step", r.step}, {"samples", std::move(samples)}};
+    st.samples << shown.dump() << "\n" << std::flush;
+    st.board->samples(shown);
+  }
+  if (!st.spec->quiet) std::cout << progress_line(j, st.spec->steps, st.pace->tick(r.step), st.colour) << std::endl;
   if (st.spec->on_step) st.spec->on_step(j);
   st.summary.steps = r.step;
   st.summary.metrics.push_back(std::move(line));
@@ -313,6 +328,7 @@ void join_generator(Self self, int64_t index, generator_actor g, int64_t pid) {
 void start(Self self) {
   auto& st = self->state;
   const GraphSpec* spec = st.spec;
+  st.pace.emplace(spec->steps);
   self->set_down_handler([=](down_msg& dm) {
     if (self->state.shutting_down || lose_generator(self, dm)) return;
     std::string why = dm.reason ? reason_text(dm.reason) : "normal exit";
@@ -327,6 +343,16 @@ void start(Self self) {
   if (!spec->run_dir.empty()) {
     std::filesystem::create_directories(spec->run_dir);
     st.metrics.open(spec->run_dir / "metrics.jsonl", std::ios::app);
+    // Resuming, samples.jsonl is cut back to the checkpoint's step as metrics.jsonl was (run.cpp);
+    // tb/ is then made again from both, so it shows exactly what they hold.
+    if (spec->resume) recipe::keep_steps_up_to(spec->run_dir / "samples.jsonl", spec->resume->step);
+    st.samples.open(spec->run_dir / "samples.jsonl", std::ios::app);
+    try {
+      st.board = std::make_unique<RunBoard>(spec->run_dir);
+    } catch (const std::exception& e) {
+      finish(self, e.what());
+      return;
+    }
   }
   if (spec->resume)
     for (const auto& g : spec->resume->groups) st.summary.issued.push_back(g.ticket);

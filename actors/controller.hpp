@@ -1,4 +1,4 @@
-// The controller actor (actors/controller.cpp), and the progress line it prints per step.
+// The controller actor (actors/controller.cpp).
 #pragma once
 
 #include <string>
@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/graph.hpp"
+#include "actors/progress_line.hpp"
 #include "actors/protocol.hpp"
 
 namespace troupe {
@@ -14,6 +15,5 @@ namespace troupe {
 // steps done, a stop request, or a failed actor).
 controller_actor spawn_controller(caf::actor_system& system, const GraphSpec* spec, caf::actor waiter);
 
-std::string progress_line(const nlohmann::json& metrics, int64_t steps);
 
 }  // namespace troupe

@@ -73,6 +73,7 @@ struct GeneratorState {
   // partial_rollouts finish, a notice once the sequences in progress are done.
   std::deque<std::variant<PromptBatch, WeightsReady>> deferred;
   bool said_http = false;  // the first version fetched over HTTP is logged
+  double busy_s = 0;       // decode time not yet handed to a group (RolloutGroup::generate_s)
 };
 
 using Self = generator_actor::stateful_pointer<GeneratorState>;
@@ -146,16 +147,26 @@ void drain(Self self) {
 // are handled between decode steps.
 void step(Self self) {
   auto& st = self->state;
-  for (auto& c : st.engine->step()) {
+  const auto start = std::chrono::steady_clock::now();
+  auto finished = st.engine->step();
+  st.busy_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::vector<RolloutGroup> groups;
+  for (auto& c : finished) {
     auto it = st.pending.find(c.request_id);
     if (it == st.pending.end()) continue;
     if (c.finish_reason == FinishReason::abort) throw Error("a generation was aborted");
     it->second.completions[c.index] = std::move(c);
     if (++it->second.done == st.spec.sampling.n) {
-      self->send(st.next, make_group(it->second));
+      groups.push_back(make_group(it->second));
       st.pending.erase(it);
     }
   }
+  // The decode time since the last group sent is shared by the groups finished now.
+  for (auto& g : groups) {
+    g.generate_s = st.busy_s / static_cast<double>(groups.size());
+    self->send(st.next, std::move(g));
+  }
+  if (!groups.empty()) st.busy_s = 0;
   if (!st.engine->has_work()) drain(self);
   if (st.engine->has_work()) {
     self->send(self, step_atom::value);
@@ -215,11 +226,17 @@ generator_actor::behavior_type remote_generator(generator_actor::stateful_pointe
         const auto& sampling = self->state.spec.sampling;
         std::vector<std::vector<int32_t>> prompts;
         for (const auto& p : batch.prompts) prompts.push_back(p.ids);
+        const auto start = std::chrono::steady_clock::now();
         auto completions = self->state.engine->generate(prompts, sampling);
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         std::vector<Pending> pending;
         for (auto& p : batch.prompts) pending.push_back({std::move(p), std::vector<Completion>(sampling.n), 0});
         for (auto& c : completions) pending.at(c.request_id).completions.at(c.index) = std::move(c);
-        for (auto& p : pending) self->send(next, make_group(p));
+        for (auto& p : pending) {
+          auto g = make_group(p);
+          g.generate_s = seconds / static_cast<double>(pending.size());
+          self->send(next, std::move(g));
+        }
       },
       // The server loaded its model from its own files; the run starts from the trainer's
       // weights (which may differ, e.g. after an SFT warm-up), so version 0 arrives first too.

@@ -27,7 +27,8 @@ nlohmann::json to_json(const RolloutGroup& g) {
           {"completion_ids", g.completion_ids}, {"behaviour_logprobs", g.behaviour_logprobs},
           {"reference_logprobs", g.reference_logprobs}, {"min_version", g.min_version},
           {"max_version", g.max_version}, {"truncated", g.truncated}, {"rewards", g.rewards},
-          {"reward", g.reward}, {"metadata", g.metadata}, {"ticket", g.ticket}, {"error", g.error}};
+          {"reward", g.reward}, {"metadata", g.metadata}, {"ticket", g.ticket}, {"error", g.error},
+          {"generate_s", g.generate_s}};
 }
 
 RolloutGroup group_from_json(const nlohmann::json& j) {
@@ -46,6 +47,7 @@ RolloutGroup group_from_json(const nlohmann::json& j) {
   j.at("metadata").get_to(g.metadata);
   j.at("ticket").get_to(g.ticket);
   j.at("error").get_to(g.error);
+  g.generate_s = j.value("generate_s", 0.0);  // checkpoints of older builds have none
   if (g.behaviour_logprobs.size() != g.completion_ids.size() || g.min_version.size() != g.completion_ids.size())
     throw Error("a rollout group's per-completion fields disagree in length");
   return g;

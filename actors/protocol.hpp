@@ -125,7 +125,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RolloutGroup& x) {
   return f(caf::meta::type_name("RolloutGroup"), x.prompt_id, x.batch, x.prompt_ids, x.completion_ids,
            x.behaviour_logprobs, x.reference_logprobs, x.min_version, x.max_version, x.truncated, x.rewards,
-           x.reward, x.metadata, x.ticket, x.error);
+           x.reward, x.metadata, x.ticket, x.error, x.generate_s);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WeightsReady& x) {

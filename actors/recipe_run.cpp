@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include "actors/tensorboard.hpp"
 #include "actors/trainer_state.hpp"
 #include "policy/dtype.hpp"
 #include "policy/error.hpp"
@@ -185,7 +186,10 @@ RunFolder::RunFolder(const RunConfig& c, int64_t resumed_step, bool writer) : c_
   if (resumed_step > 0) keep_steps_up_to(dir_ / "metrics.jsonl", resumed_step);
   metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
   if (!metrics_) throw Error((dir_ / "metrics.jsonl").string() + ": cannot open for writing (run.dir)");
+  board_ = std::make_unique<RunBoard>(dir_);
 }
+
+RunFolder::~RunFolder() = default;
 
 void RunFolder::step(int64_t step, nlohmann::json j, int64_t tokens, GraphResult& result) {
   auto now = std::chrono::steady_clock::now();
@@ -197,14 +201,19 @@ void RunFolder::step(int64_t step, nlohmann::json j, int64_t tokens, GraphResult
   result.steps = step;
   if (!writer_) return;
   metrics_ << j.dump() << "\n" << std::flush;
+  board_->metrics(j);
   if (step % c_.run.log_every == 0 || step == c_.trainer.steps) {
-    std::string line = "step " + std::to_string(step) + "/" + std::to_string(c_.trainer.steps);
+    const bool colour = colour_terminal();
+    std::string line = std::string(colour ? "\033[1m" : "") + "step " + std::to_string(step) + "/" +
+                       std::to_string(c_.trainer.steps) + (colour ? "\033[0m" : "");
     for (const char* key : {"loss", "eval/loss", "rewards/accuracies", "rewards/margins", "grad_norm", "lr", "tokens_per_s"}) {
       if (!j.contains(key) || !j[key].is_number()) continue;
       char buf[64];
       std::snprintf(buf, sizeof buf, "  %s %.4g", key, j[key].get<double>());
       line += buf;
     }
+    const std::string pace = pace_.tick(step);
+    if (!pace.empty()) line += std::string("  ") + (colour ? "\033[2m" : "") + pace + (colour ? "\033[0m" : "");
     std::cout << line << std::endl;
   }
   result.metrics.push_back(std::move(j));

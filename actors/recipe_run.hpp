@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,11 +17,14 @@
 
 #include "actors/config.hpp"
 #include "actors/graph.hpp"
+#include "actors/progress_line.hpp"
 #include "policy/checkpoint.hpp"
 #include "policy/lora.hpp"
 #include "trainer/trainer.hpp"
 
 namespace troupe {
+
+class RunBoard;  // actors/tensorboard.hpp
 
 GraphResult run_sft(const RunConfig& config, const std::atomic<bool>* stop_requested);
 GraphResult run_dpo(const RunConfig& config, const std::atomic<bool>* stop_requested);
@@ -107,15 +111,16 @@ void add_memory_metrics(const Policy& p, nlohmann::json& j);
 // `step` and drops the rest: steps an interrupted run made after its last checkpoint are made again.
 void keep_steps_up_to(const std::filesystem::path& file, int64_t step);
 
-// runs/NAME: the resolved config, metrics.jsonl, a progress line per log_every steps, and
-// checkpoints (a Hugging Face folder of the merged weights, the PEFT adapter with LoRA, and
-// the optimizer state) every checkpoint_every steps and at the end.
+// runs/NAME: the resolved config, metrics.jsonl (and the same in tb/ for TensorBoard), a progress
+// line per log_every steps, and checkpoints (a Hugging Face folder of the merged weights, the PEFT
+// adapter with LoRA, and the optimizer state) every checkpoint_every steps and at the end.
 class RunFolder {
  public:
   // Resuming from step k keeps metrics.jsonl's lines up to k and drops the rest (steps the
-  // interrupted run made after its last checkpoint are made again).
+  // interrupted run made after its last checkpoint are made again); tb/ is made again from them.
   // `writer`: this process writes the folder (rank 0); the others only write their checkpoint shards.
   RunFolder(const RunConfig& c, int64_t resumed_step = 0, bool writer = true);
+  ~RunFolder();
   // Adds step, time and tokens_per_s to `metrics`, writes and prints it, keeps it in `result`.
   void step(int64_t step, nlohmann::json metrics, int64_t tokens, GraphResult& result);
   void checkpoint(const Policy& policy, int64_t step, const nlohmann::json& cursor);
@@ -125,7 +130,9 @@ class RunFolder {
   bool writer_;
   std::filesystem::path dir_;
   std::ofstream metrics_;
+  std::unique_ptr<RunBoard> board_;  // rank 0's tb/
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+  Pace pace_{c_.trainer.steps};  // the progress line's steps/min and ETA
 };
 
 }  // namespace recipe

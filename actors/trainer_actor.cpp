@@ -1,8 +1,9 @@
 // The trainer actor: buffers rollout groups by credit batch, trains each complete batch in
 // ticket order with the run's RL recipe, checks the staleness bound, writes each new version
 // to the weight plane and tells the controller, checkpoints, and reports every step with its
-// trained, filtered and failed tickets. With dynamic sampling it filters groups whose rewards
-// tie and asks the controller for prompts to take their places.
+// trained, filtered and failed tickets (and a few decoded samples, for samples.jsonl). With
+// dynamic sampling it filters groups whose rewards tie and asks the controller for prompts to
+// take their places.
 #include "actors/trainer_actor.hpp"
 
 #include <chrono>
@@ -68,7 +69,7 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
                             const std::vector<RolloutGroup>& filtered, int64_t trained_at, double step_s, double wait_s) {
   nlohmann::json j;
   std::map<std::string, std::pair<double, int64_t>> by_name;
-  double staleness_sum = 0, reward_sum = 0;
+  double staleness_sum = 0, reward_sum = 0, generate_s = 0;
   int64_t staleness_max = 0, completion_tokens = 0, completions = 0, mixed = 0;
   for (const auto& g : groups) {
     int64_t oldest = *std::min_element(g.min_version.begin(), g.min_version.end());
@@ -84,6 +85,7 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
           by_name[name].second += 1;
         }
       for (double r : g.reward) reward_sum += r;
+      generate_s += g.generate_s;
       completions += g.size();
       for (const auto& c : g.completion_ids) completion_tokens += c.size();
     }
@@ -122,9 +124,34 @@ nlohmann::json step_metrics(const std::optional<StepMetrics>& m, const std::vect
   j["rollouts/mixed_versions"] = mixed;  // trained completions sampled by more than one version (partial_rollouts continue)
   j["time/step_s"] = step_s;
   j["time/generate_wait_s"] = wait_s;
+  j["time/generate_s"] = generate_s;  // generator seconds behind the step's groups, summed over generators
   j["tokens_per_s"] = completion_tokens / std::max(step_s + wait_s, 1e-9);
   j["completion_tokens"] = completion_tokens;
   return j;
+}
+
+// What a run shows of a step's rollouts (samples.jsonl, TensorBoard's text): the first completion of
+// each of the first kShownSamples groups (trained ones first, then filtered), decoded here and only
+// these, as the reward decodes them. Nothing without a run folder.
+constexpr size_t kShownSamples = 2;
+nlohmann::json shown_samples(const GraphSpec& spec, const std::vector<RolloutGroup>& groups,
+                             const std::vector<RolloutGroup>& filtered) {
+  auto out = nlohmann::json::array();
+  if (spec.run_dir.empty() || !spec.tokenizer) return out;
+  for (const auto* list : {&groups, &filtered})
+    for (const auto& g : *list) {
+      if (out.size() == kShownSamples) return out;
+      if (g.size() == 0) continue;
+      auto rewards = nlohmann::json::object();
+      for (const auto& [name, scores] : g.rewards)
+        if (!scores.empty()) rewards[name] = scores[0];
+      out.push_back({{"prompt_id", g.prompt_id},
+                     {"prompt", spec.tokenizer->decode(g.prompt_ids)},
+                     {"completion", spec.tokenizer->decode(g.completion_ids[0], /*skip_special_tokens=*/true)},
+                     {"reward", g.reward.empty() ? nlohmann::json() : nlohmann::json(g.reward[0])},
+                     {"rewards", std::move(rewards)}});
+    }
+  return out;
 }
 
 // The current weights (adapters merged) to the weight plane, and the notice to the controller,
@@ -238,7 +265,9 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
     j["weights/bytes"] = sent->bytes;
     j["time/weights_write_s"] = sent->write_s;
   }
-  StepReport report{.step = step, .json = j.dump()};
+  j["samples"] = shown_samples(spec, groups, filtered);  // the controller takes them out of the metrics
+  // A completion cut by max_tokens can end mid-character: invalid UTF-8 becomes U+FFFD, not an exception.
+  StepReport report{.step = step, .json = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)};
   for (const auto& g : groups) report.trained.push_back(g.ticket);
   for (const auto& g : failed) report.failed.push_back(g.ticket);
   for (const auto& g : filtered) report.filtered.push_back(g.ticket);

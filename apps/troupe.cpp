@@ -17,6 +17,7 @@
 
 #include "actors/config.hpp"
 #include "actors/launch.hpp"
+#include "actors/progress_line.hpp"
 #include "actors/run.hpp"
 #include "actors/worker.hpp"
 #include "apps/plot.hpp"
@@ -299,8 +300,9 @@ int run_from_config(const std::string& path, const std::vector<std::string>& ove
               << " steps; metrics so far in " << config.run.dir << "/metrics.jsonl)" << std::endl;
     return 1;
   }
-  if (rank0) std::cout << "troupe run: done, " << result.steps << " steps; metrics in " << config.run.dir << "/metrics.jsonl"
-            << std::endl;
+  if (rank0)
+    std::cout << "troupe run: done, " << result.steps << " steps; metrics in " << config.run.dir << "/metrics.jsonl\n"
+              << troupe::run_folder_summary(config.run.dir) << std::flush;
   return 0;
 }
 

@@ -25,6 +25,8 @@ struct RolloutGroup {
   int64_t ticket = 0;                                  // the hand-out number, unique within a run
   std::string error;                                   // non-empty: the group failed (a reward threw)
                                                        // and is reported, not trained on
+  double generate_s = 0;                               // its generator's busy seconds (decode steps or
+                                                       // remote calls) since the group it sent before
 
   int64_t size() const { return static_cast<int64_t>(completion_ids.size()); }
 };

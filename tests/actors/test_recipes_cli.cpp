@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/actors/tensorboard_util.hpp"
 #include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -56,6 +57,13 @@ TEST_CASE("recipe sft: the loss falls and a Hugging Face checkpoint with optimiz
   auto ckpt = fixtures() / "run_tiny_arithmetic_sft" / "checkpoints" / "step_150";
   for (const char* f : {"model.safetensors", "config.json", "tokenizer.json", "optimizer.pt", "trainer_state.json"})
     CHECK_MESSAGE(fs::exists(ckpt / f), f);
+  // TensorBoard's EventAccumulator reads tb/ back equal to metrics.jsonl (eval/loss at its steps too).
+  auto run = fixtures() / "run_tiny_arithmetic_sft";
+  auto board = read_board(run / "tb");
+  CHECK(board["files"].size() == 1);
+  const size_t scalars = check_board_matches(run, board);
+  CHECK(scalar_at(board, "eval/loss", 150));
+  MESSAGE("sft tensorboard: " << scalars << " scalars read back equal to metrics.jsonl");
 }
 
 TEST_CASE("recipe lora: only adapters train, and the checkpoint carries a PEFT adapter beside the merged model") {

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/actors/run_util.hpp"
+#include "tests/actors/tensorboard_util.hpp"
 
 namespace fs = std::filesystem;
 using namespace troupe;
@@ -87,6 +88,17 @@ void check_resume(const std::string& config, const std::string& data, const std:
                  << ", max |metric diff| " << worst_metric);
   CHECK(worst_weight <= 1e-6);
   CHECK(worst_metric <= 1e-6);
+  // The resumed run made tb/ again from the metrics.jsonl it kept: one file, equal to it.
+  auto board = read_board(killed / "tb");
+  CHECK(board["files"].size() == 1);
+  check_board_matches(killed, board);
+  // The graph recipes' samples.jsonl was cut back with metrics.jsonl: one line per step.
+  if (fs::exists(killed / "samples.jsonl")) {
+    int64_t lines = 0;
+    std::ifstream in(killed / "samples.jsonl");
+    for (std::string line; std::getline(in, line);) CHECK(nlohmann::json::parse(line)["step"] == ++lines);
+    CHECK(lines == steps);
+  }
 }
 
 }  // namespace

@@ -5,10 +5,12 @@
 #include <array>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "tests/actors/tensorboard_util.hpp"
 #include "tests/serve_process.hpp"
 #include "tests/test_util.hpp"
 
@@ -53,25 +55,67 @@ TEST_CASE("troupe run trains the tiny arithmetic config and writes the run folde
   INFO(r.out);
   REQUIRE(r.status == 0);
   CHECK(r.out.find("step 40/40") != std::string::npos);
+  // The progress line: where the time went, the pace and the time left; plain text off a terminal.
+  int64_t progress_lines = 0;
+  std::istringstream out(r.out);
+  for (std::string l; std::getline(out, l);) {
+    if (l.rfind("step ", 0) != 0) continue;
+    ++progress_lines;
+    for (const char* part : {"reward ", "gen ", "train ", "wait ", "tok/s", "steps/min"}) CHECK_MESSAGE(l.find(part) != std::string::npos, l);
+    CHECK_MESSAGE(l.find(l.rfind("step 40/40", 0) == 0 ? "done in " : "ETA ") != std::string::npos, l);
+  }
+  CHECK(progress_lines == 40);
+  CHECK(r.out.find('\033') == std::string::npos);
+  // The summary of what was written where.
+  CHECK(r.out.find("troupe run: wrote " + dir.string() + "/") != std::string::npos);
+  CHECK(r.out.find("metrics.jsonl ") != std::string::npos);
+  CHECK(r.out.find("40 lines  metrics, one line per step") != std::string::npos);
+  CHECK(r.out.find("latest checkpoint: " + (dir / "checkpoints" / "step_40").string()) != std::string::npos);
   CHECK(fs::exists(dir / "config.yaml"));
   CHECK(fs::exists(dir / "checkpoints" / "step_40" / "model.safetensors"));
   CHECK(fs::exists(dir / "checkpoints" / "step_40" / "tokenizer.json"));
   std::ifstream in(dir / "metrics.jsonl");
   std::string line;
   int64_t lines = 0;
-  double first = -1, last = 0;
+  double first = -1, last = 0, first5 = 0, last5 = 0, generate_s = 0;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
     for (const char* key : {"step", "policy_version", "reward/mean", "reward/correct/mean", "loss", "kl", "staleness/mean",
-                            "staleness/max", "time/step_s", "time/generate_wait_s", "tokens_per_s"})
+                            "staleness/max", "time/step_s", "time/generate_wait_s", "time/generate_s", "tokens_per_s"})
       CHECK_MESSAGE(j.contains(key), key);
     CHECK(j["staleness/max"].get<int64_t>() <= 1);
     if (first < 0) first = j["reward/mean"].get<double>();
     last = j["reward/mean"].get<double>();
+    if (lines < 5) first5 += j["reward/mean"].get<double>() / 5;
+    if (lines >= 35) last5 += j["reward/mean"].get<double>() / 5;
+    generate_s += j["time/generate_s"].get<double>();
     ++lines;
   }
   CHECK(lines == 40);
-  MESSAGE("tiny arithmetic via troupe run: reward/mean step 1 " << first << ", step 40 " << last);
+  CHECK(generate_s > 0);  // the generator's decode time reaches the metrics
+  MESSAGE("tiny arithmetic via troupe run: reward/mean step 1 " << first << ", step 40 " << last << "; mean of steps 1-5 "
+                                                                << first5 << ", 36-40 " << last5);
+  CHECK(last5 > first5 + 0.1);  // it learns
+  // TensorBoard's EventAccumulator reads tb/ back equal to metrics.jsonl; samples.jsonl has two
+  // decoded completions a step, shown as TensorBoard text too.
+  std::ifstream samples(dir / "samples.jsonl");
+  int64_t sample_lines = 0;
+  for (std::string s; std::getline(samples, s); ++sample_lines) {
+    auto j = nlohmann::json::parse(s);
+    CHECK(j["step"] == sample_lines + 1);
+    REQUIRE(j["samples"].size() == 2);
+    for (const auto& x : j["samples"]) {
+      CHECK(!x["prompt"].get<std::string>().empty());
+      CHECK(x["rewards"].contains("correct"));
+      CHECK(x["reward"].is_number());
+    }
+  }
+  CHECK(sample_lines == 40);
+  auto board = read_board(dir / "tb");
+  CHECK(board["files"].size() == 1);
+  const size_t scalars = check_board_matches(dir, board);
+  CHECK(board["texts"].size() == 40);
+  MESSAGE("tensorboard: " << scalars << " scalars of 40 metrics lines read back equal by EventAccumulator");
 }
 
 TEST_CASE("troupe run with engine: remote generates through troupe serve and syncs its weights from disk") {
