@@ -46,27 +46,6 @@ struct Engine::Sequence {
 
 namespace {
 
-// Restricts one row of probabilities [V] to the tokens top-k, top-p and min-p keep (then
-// multinomial renormalizes). The log-prob reported is taken before this truncation: it is
-// log_softmax(logits / T), the quantity a trainer recomputes from the full vocabulary, so
-// importance ratios compare like with like; truncation only decides which tokens can occur.
-torch::Tensor truncate(torch::Tensor probs, const SamplingParams& p) {
-  const int64_t V = probs.size(0);
-  if (p.min_p > 0) probs = probs.masked_fill(probs < p.min_p * probs.max(), 0);
-  if (p.top_k > 0 && p.top_k < V) {
-    auto kth = std::get<0>(probs.topk(p.top_k)).select(0, p.top_k - 1);
-    probs = probs.masked_fill(probs < kth, 0);
-  }
-  if (p.top_p < 1.0) {
-    auto [sorted, order] = probs.sort(/*dim=*/0, /*descending=*/true);
-    auto before = sorted.cumsum(0) - sorted;  // mass of the tokens ranked above each one
-    auto drop_sorted = before >= p.top_p * sorted.sum();
-    drop_sorted.index_put_({0}, false);  // the most likely token always stays
-    probs = probs.masked_fill(torch::zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0);
-  }
-  return probs;
-}
-
 // A sequence's noise stream on the model's device, so its draws happen where the logits are.
 // On the CPU it is the CPU generator it always was; elsewhere the device's own generator type
 // (Philox on CUDA), seeded the same way: reproducible per device, not across devices.
@@ -232,7 +211,7 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Ten
   auto truncate_row = [&](int64_t r) {
     const SamplingParams& p = *params[r];
     if (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0)
-      scores[r].masked_fill_(truncate(logp[r].exp(), p) == 0, -std::numeric_limits<float>::infinity());
+      scores[r].masked_fill_(truncate_probs(logp[r].exp(), p) == 0, -std::numeric_limits<float>::infinity());
   };
   if (device.is_cpu()) {
     for (int64_t r = 0; r < R; ++r)
