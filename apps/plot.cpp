@@ -227,23 +227,27 @@ std::pair<double, double> padded(double lo, double hi) {
 struct Box {
   double left, right, bottom, top;
 };
-constexpr int kLeft = 64, kRight = 220, kTitle = 28, kTicks = 28, kStepLabel = 22, kMinPanel = 40;
+constexpr int kLeft = 64, kTitle = 28, kTicks = 28, kStepLabel = 22, kMinPanel = 40;
+// The legend's room right of the panels: its sample line and frame, and about 9 px a character
+// of its longest text at kTextScale (measured on the cairo drivers).
+constexpr int kLegendFrame = 100, kLegendChar = 9, kMinRight = 160;
 constexpr double kTextScale = 0.7;  // of PLplot's default character height: about 11 px at 90 dpi
 
-std::vector<Box> stacked_panels(int width, int height, size_t count) {
+std::vector<Box> stacked_panels(int width, int height, size_t count, size_t legend_chars) {
   const int n = static_cast<int>(count);
+  const int right = std::max(kMinRight, kLegendFrame + kLegendChar * static_cast<int>(legend_chars));
   const int panel = (height - kStepLabel) / n;  // one panel's share, margins included
   if (panel - kTitle - kTicks < kMinPanel)
     throw Error("--height " + std::to_string(height) + ": too small for " + std::to_string(n) + " panels; use at least " +
                 std::to_string(n * (kTitle + kTicks + kMinPanel) + kStepLabel));
-  if (width - kLeft - kRight < 2 * kMinPanel)
-    throw Error("--width " + std::to_string(width) + ": too small; use at least " +
-                std::to_string(kLeft + kRight + 2 * kMinPanel));
+  if (width - kLeft - right < 2 * kMinPanel)
+    throw Error("--width " + std::to_string(width) + ": too small for the legend; use at least " +
+                std::to_string(kLeft + right + 2 * kMinPanel));
   std::vector<Box> panels;
   for (int k = 0; k < n; ++k) {
     const double top_px = k * panel + kTitle, bottom_px = (k + 1) * panel - kTicks;  // from the top
     panels.push_back({.left = double(kLeft) / width,
-                        .right = 1.0 - double(kRight) / width,
+                        .right = 1.0 - double(right) / width,
                         .bottom = 1.0 - bottom_px / height,
                         .top = 1.0 - top_px / height});
   }
@@ -346,7 +350,10 @@ PlotResult plot_runs(const PlotOptions& o) {
       result.series.push_back({.run = r.label, .metric = m, .points = points});
       if (points == 0) result.notes.push_back(r.label + ": no numeric values of \"" + m + "\"; not drawn");
     }
-  const auto panels = stacked_panels(o.width, o.height, metrics.size());
+  size_t legend_chars = 0;  // the longest "RUN METRIC"
+  for (const auto& m : metrics)
+    for (const auto& r : runs) legend_chars = std::max(legend_chars, r.name.size() + 1 + m.size());
+  const auto panels = stacked_panels(o.width, o.height, metrics.size(), legend_chars);
 
   plsabort(on_plplot_abort);
   plsexit(on_plplot_exit);
