@@ -1,13 +1,18 @@
 // GSM8K evaluation: the pass@k estimator and the accuracy aggregation against hand-computed
-// values, then `troupe eval gsm8k` end to end on the real SmolLM2 GGUF (format of the last line).
+// values, then `troupe eval gsm8k` end to end on the real SmolLM2 GGUF: the exact score on a fixture
+// whose right answers are known, K-sample output and bad data.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <regex>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "policy/error.hpp"
 #include "reward/math.hpp"
@@ -79,19 +84,61 @@ TEST_CASE("accuracy aggregation over given correctness vectors") {
   CHECK(math_answer_reward("16 - 3 - 4 = 9 eggs, so she makes $16 every day.", reference) == 0.0);
 }
 
-TEST_CASE("troupe eval gsm8k on SmolLM2: last line gives n and pass@1") {
-  const auto data = test::data() / "gsm8k" / "test.jsonl";
+// The exact score on answers whose truth is known. The model's greedy completions come from
+// `troupe generate --chat` (the single-sequence decoder and the app's own chat rendering, not the
+// eval's engine and PromptSource), and this test reads each one's final number with its own regex.
+// The fixture gives k of the N real GSM8K questions that number as the answer and the rest a
+// number the completion never contains, so the eval must print pass@1 = k/N exactly: an eval
+// that never gives credit, always gives it, or scores other text than greedy decoding of the
+// chat-formatted question fails.
+TEST_CASE("troupe eval gsm8k on SmolLM2 gives the exact score on answers made from its own completions") {
+  constexpr int64_t kTokens = 48;
+  std::vector<std::string> questions;
+  {
+    std::ifstream in(test::data() / "gsm8k" / "test.jsonl");
+    std::string line;
+    while (questions.size() < 3 && std::getline(in, line))
+      questions.push_back(nlohmann::json::parse(line).at("question").get<std::string>());
+  }
+  REQUIRE(questions.size() == 3);
+
+  const std::regex number(R"(-?[0-9][0-9,]*(\.[0-9]+)?)");
+  std::vector<std::string> finals;
+  for (const auto& q : questions) {
+    auto g = troupe::test::run_command(quote(test::env_dir("TROUPE_BIN").string()) + " generate --model " +
+                                       quote(test::smollm2_gguf().string()) + " --chat --temperature 0 --max-tokens " +
+                                       std::to_string(kTokens) + " --prompt " + quote(q) + " < /dev/null 2>/dev/null");
+    REQUIRE(g.status == 0);
+    const std::string text = g.out.substr(0, g.out.size() - (g.out.ends_with('\n') ? 1 : 0));
+    INFO(text);
+    // The verifier prefers "####" and \boxed{} over the last number; these completions have neither.
+    REQUIRE(text.find("####") == std::string::npos);
+    REQUIRE(text.find("boxed") == std::string::npos);
+    std::string last;
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), number); it != std::sregex_iterator(); ++it)
+      last = it->str();
+    REQUIRE(!last.empty());
+    last.erase(std::remove(last.begin(), last.end(), ','), last.end());
+    REQUIRE(text.find("987654321") == std::string::npos);
+    finals.push_back(last);
+  }
+
+  // Questions 0 and 2 get the model's own final number (one in GSM8K's rationale-then-#### form),
+  // question 1 a number it never wrote.
+  const auto data = fs::temp_directory_path() / "troupe_eval_gsm8k_known.jsonl";
+  {
+    std::ofstream out(data);
+    out << nlohmann::json{{"question", questions[0]}, {"answer", "Worked out step by step.\n#### " + finals[0]}}.dump()
+        << "\n"
+        << nlohmann::json{{"question", questions[1]}, {"answer", "#### 987654321"}}.dump() << "\n"
+        << nlohmann::json{{"question", questions[2]}, {"answer", "#### " + finals[2]}}.dump() << "\n";
+  }
   auto r = run_troupe("eval gsm8k --model " + quote(test::smollm2_gguf().string()) + " --data " + quote(data.string()) +
-                      " --limit 20 --max-tokens 128");
+                      " --max-tokens " + std::to_string(kTokens));
   INFO(r.out);
+  INFO("final numbers of the greedy completions: " << finals[0] << ", " << finals[1] << ", " << finals[2]);
   REQUIRE(r.status == 0);
-  std::smatch m;
-  const std::string line = last_line(r.out);
-  REQUIRE(std::regex_match(line, m, std::regex(R"(gsm8k: n=20 pass@1=([0-9]\.[0-9]{3}))")));
-  const double pass1 = std::stod(m[1]);
-  MESSAGE("SmolLM2-135M-Instruct Q4_1, first 20 GSM8K test questions, greedy, 128 tokens: " << line);
-  CHECK(pass1 >= 0.0);
-  CHECK(pass1 <= 1.0);
+  CHECK(last_line(r.out) == "gsm8k: n=3 pass@1=0.667");  // 2 of 3
 }
 
 TEST_CASE("troupe eval gsm8k with K samples prints pass@K; bad data is one clear error") {

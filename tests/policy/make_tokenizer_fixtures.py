@@ -5,6 +5,7 @@
 #
 # What it writes (tests/policy/test_tokenizer.cpp and test_chat_template.cpp read it):
 #   qwen3.jsonl, smollm2.jsonl     {"text", "ids", "decoded", "nfc"} per corpus line
+#   smollm2_llama_cpp.jsonl        the same for SmolLM2's GGUF as llama.cpp itself tokenizes it
 #   smollm2/tokenizer.json         the SmolLM2 reference tokenizer, merges as legacy "a b" strings
 #   variants/NAME/tokenizer.json   small pre-tokenizer/normalizer/added-token variants, + NAME.jsonl
 #   gguf/*.gguf                    tokenizer-only GGUF files (qwen2 and llama-bpe pre, bad inputs)
@@ -17,6 +18,9 @@
 # text with `\p{N}` first and then the GPT-2 regex, which is what SmolLM2's own tokenizer.json does
 # with Digits(individual_digits) + ByteLevel. So the reference is transformers' conversion with that
 # pre-tokenizer put back; how many lines the unmodified conversion gets wrong is printed.
+# Because that reference is patched by hand, the same corpus is also tokenized by llama.cpp
+# (llama-cpp-python, vocab only) from the GGUF file itself; lines where it and the patched
+# reference disagree are counted and the first few printed.
 import json
 import random
 import sys
@@ -276,6 +280,48 @@ def write_jsonl(path, tok, lines):
             nfc = unicodedata.normalize("NFC", text) == text
             f.write(json.dumps({"text": text, "ids": ids, "decoded": decoded, "nfc": nfc},
                                ensure_ascii=False) + "\n")
+
+
+def llama_cpp_detokenize(llm, ids):
+    # llama.cpp's own llama_detokenize, special tokens rendered and none removed. Not
+    # Llama.detokenize: its 32-byte buffer per token returns nothing for SmolLM2's 64-space token
+    # (40686), and it drops a leading space whenever the first id is BOS (here <|im_start|>).
+    import ctypes
+    import llama_cpp
+    tokens = (llama_cpp.llama_token * len(ids))(*ids)
+    size = 64 + 8 * len(ids)
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_detokenize(llm._model.vocab, tokens, len(ids), buf, size, False, True)
+        if n >= 0:
+            return buf.raw[:n]
+        size = -n
+
+
+def write_llama_cpp_jsonl(path, lines, hf):
+    """llama.cpp's ids for the SmolLM2 GGUF: no BOS, special tokens parsed (as encode does), and
+    its detokenization with special tokens kept. Prints where the HF reference differs."""
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(MODELS / SMOLLM2_GGUF), vocab_only=True, verbose=False)
+    id_diffs, decode_diffs = [], []
+    with open(path, "w", encoding="utf-8") as f:
+        for i, text in enumerate(lines):
+            ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) if text else []
+            decoded = llama_cpp_detokenize(llm, ids).decode("utf-8", errors="replace")
+            nfc = unicodedata.normalize("NFC", text) == text
+            f.write(json.dumps({"text": text, "ids": ids, "decoded": decoded, "nfc": nfc},
+                               ensure_ascii=False) + "\n")
+            hf_ids = hf.encode(text, add_special_tokens=False).ids
+            if hf_ids != ids:
+                id_diffs.append((i, text, hf_ids, ids))
+            if hf.decode(ids, skip_special_tokens=False) != decoded:
+                decode_diffs.append((i, text))
+    print(f"llama.cpp vs the smollm reference: {len(id_diffs)} of {len(lines)} lines tokenize "
+          f"differently, {len(decode_diffs)} decode differently")
+    for i, text, hf_ids, ids in id_diffs[:5]:
+        print(f"  line {i + 1}: {text[:80]!r}\n    hf:        {hf_ids[:20]}\n    llama.cpp: {ids[:20]}")
+    for i, text in decode_diffs[:5]:
+        print(f"  line {i + 1} decodes differently: {text[:80]!r}")
 
 
 def count_differences(a, b, lines):
@@ -619,6 +665,7 @@ def main():
     smol = Tokenizer.from_str(json.dumps(smol_spec))
     write_jsonl(OUT / "smollm2.jsonl", smol, lines)
     write_tokenizer_json(OUT / "smollm2", legacy_merges(smol_spec))
+    write_llama_cpp_jsonl(OUT / "smollm2_llama_cpp.jsonl", lines, smol)
     print(f"{len(lines)} corpus lines; transformers' GGUF conversion without Digits differs from the "
           f"smollm reference on {count_differences(converted, smol, lines)} of them")
 

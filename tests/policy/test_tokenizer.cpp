@@ -1,5 +1,6 @@
 // Token ids and decodes against Hugging Face `tokenizers` on a 2,000-line corpus (fixtures from
-// make_tokenizer_fixtures.py), for Qwen3's tokenizer.json and SmolLM2's GGUF; plus bad inputs.
+// make_tokenizer_fixtures.py), for Qwen3's tokenizer.json and SmolLM2's GGUF (also against llama.cpp's
+// own ids for that file); plus bad inputs.
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -134,6 +135,15 @@ TEST_CASE("SmolLM2 GGUF tokenizer: ids and decodes match the smollm reference on
   const std::vector<troupe::ChatMessage> hi{{"user", "Hi"}};
   CHECK(chat.render(hi, true).starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"));
   check_parity(tok, fixture_dir() / "smollm2.jsonl", "smollm2 gguf");
+}
+
+// The smollm reference above is transformers' conversion with its pre-tokenizer patched by hand;
+// this one is llama.cpp's own tokenization of the same GGUF (llama-cpp-python, vocab only, special
+// tokens parsed) and its own detokenization, so the GGUF path is checked against the engine that
+// defines the format. On this corpus the two references agree line for line.
+TEST_CASE("SmolLM2 GGUF tokenizer: ids and decodes match llama.cpp on the corpus") {
+  const Tokenizer tok = Tokenizer::load(test::smollm2_gguf());
+  check_parity(tok, fixture_dir() / "smollm2_llama_cpp.jsonl", "smollm2 gguf vs llama.cpp");
 }
 
 TEST_CASE("SmolLM2 tokenizer.json with \"a b\" merges and Digits + ByteLevel matches too") {
