@@ -119,6 +119,7 @@ struct GeneratorSection {
   // tokens tagged by version), finish (under the old ones, then load) or abort (start again).
   PartialRollouts partial_rollouts = PartialRollouts::continue_;
   std::vector<std::string> stop;           // stop strings, besides the model's end-of-turn tokens
+  bool ignore_eos = false;                 // decode max_tokens every time (benchmarks: equal work on both sides)
   int64_t threads = 0;                     // CPU threads of each generator's kernels; 0: LibTorch's default
   bool operator==(const GeneratorSection&) const = default;
 };
@@ -252,6 +253,7 @@ struct RunSection {
   int64_t log_every = 1;        // optimizer steps between progress lines
   uint64_t seed = 0;            // seeds sampling, shuffling (unless data.seed) and initialisation
   bool deterministic = false;   // deterministic kernels and ordering, for exact resume (slower)
+  std::string dashboard;        // HOST:PORT to serve the live dashboard on (apps/dashboard.hpp); empty: none
   bool operator==(const RunSection&) const = default;
 };
 

@@ -83,6 +83,7 @@ void fields(auto& v, Of<GeneratorSection> auto& c) {
     OnlyWhen{c.engine == EngineKind::builtin, "only used with engine: builtin (a server's batch takes new weights once it is done)"});
   v("threads", c.threads, at_least(0, "0: LibTorch's default"));
   v("stop", c.stop);
+  v("ignore_eos", c.ignore_eos);
 }
 
 // `kind` may be left out when plugin or url says it (config_parse.cpp infers it).
@@ -220,6 +221,8 @@ void fields(auto& v, Of<RunSection> auto& c) {
   v("log_every", c.log_every, at_least(1));
   v("seed", c.seed);
   v("deterministic", c.deterministic);
+  v("dashboard", c.dashboard, OmitIfEmpty{},
+    TextRule{is_listen_address, "expected HOST:PORT, e.g. 127.0.0.1:8265 (port 0: any free one)", true});
 }
 
 }  // namespace troupe::cfg

@@ -3,6 +3,7 @@
 #include "actors/run.hpp"
 
 #include "actors/recipe_run.hpp"
+#include "actors/run_status.hpp"
 #include "actors/trainer_ranks.hpp"
 
 #include <fstream>
@@ -115,7 +116,7 @@ void set_generation(GraphSpec& spec, const RunConfig& c) {
                  .seed = c.run.seed};
   spec.sampling = {.n = c.generator.group_size, .temperature = c.generator.temperature, .top_p = c.generator.top_p,
                    .top_k = c.generator.top_k, .min_p = c.generator.min_p, .max_tokens = c.generator.max_tokens,
-                   .stop = c.generator.stop};
+                   .stop = c.generator.stop, .ignore_eos = c.generator.ignore_eos};
   spec.generators = c.cluster.generator_processes > 0 ? c.cluster.generator_processes : c.generator.count;
   spec.generator_processes = c.cluster.generator_processes;
   spec.worker_join_timeout_s = c.cluster.join_timeout_s;
@@ -211,7 +212,9 @@ GraphSpec graph_spec(const RunConfig& c, const Tokenizer& tokenizer, std::shared
 
 }  // namespace
 
-GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_requested) {
+namespace {
+
+GraphResult run_recipe(const RunConfig& given, const std::atomic<bool>* stop_requested) {
   RunConfig c = given;
   c.model.dtype = recipe::resolve_model_dtype(c.model);  // runs/NAME/config.yaml records what auto chose
   if (c.model.batch_invariant && c.model.dtype == ModelDtype::bfloat16)
@@ -262,6 +265,22 @@ GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_req
     spec.resume = std::move(resume);
   }
   return run_graph(spec);
+}
+
+}  // namespace
+
+GraphResult run_config(const RunConfig& given, const std::atomic<bool>* stop_requested) {
+  // runs/NAME/status.json ends with the run, however it ends (rank 0's; the dashboard reads it).
+  const bool writer = parallel_env().rank == 0;
+  try {
+    auto result = run_recipe(given, stop_requested);
+    const bool stopped = stop_requested && stop_requested->load();
+    if (writer) end_run_status(given.run.dir, result.ok ? "finished" : stopped ? "stopped" : "failed", result.steps, result.error);
+    return result;
+  } catch (const std::exception& e) {
+    if (writer) end_run_status(given.run.dir, "failed", -1, e.what());
+    throw;
+  }
 }
 
 }  // namespace troupe
