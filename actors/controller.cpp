@@ -17,6 +17,7 @@
 #include "actors/actor_util.hpp"
 #include "actors/generator_pool.hpp"
 #include "actors/recipe_run.hpp"
+#include "actors/run_status.hpp"
 #include "actors/stage_actors.hpp"
 #include "actors/stage_router.hpp"
 #include "actors/tensorboard.hpp"
@@ -55,6 +56,13 @@ struct ControllerState {
   RunSummary summary;
   std::ofstream metrics, samples;  // run_dir/metrics.jsonl, samples.jsonl (a few completions per step)
   std::unique_ptr<RunBoard> board;  // run_dir/tb: the same, for TensorBoard
+  // run_dir/status.json for the dashboard: what each generator and the trainer said they do
+  // (ActorBusy), the groups sent by generators since lost, and an actor that failed.
+  std::optional<RunStatus> status;
+  std::map<std::string, ActorBusy> busy;
+  int64_t groups_from_lost = 0;
+  std::map<std::string, std::string> failed;  // actor -> why
+  int64_t ticks = 0;
   using Clock = std::chrono::steady_clock;
   Clock::time_point began = Clock::now();
   Clock::time_point none_live_since = Clock::now();  // when the last generator went away
@@ -63,10 +71,71 @@ struct ControllerState {
 
 using Self = controller_actor::stateful_pointer<ControllerState>;
 
+// The graph as the dashboard shows it: each generator, the reward (and reference) stage with the
+// groups between the generators and the trainer, and the trainer.
+std::vector<ActorStatus> graph_status(const ControllerState& st) {
+  std::vector<ActorStatus> out;
+  int64_t sent = st.groups_from_lost;
+  auto said = [&](ActorStatus& a, const char* before) {
+    if (auto it = st.failed.find(a.name); it != st.failed.end()) {
+      a.state = "failed";
+      a.detail = it->second;
+    } else if (auto it = st.busy.find(a.name); it != st.busy.end()) {
+      a.state = it->second.state;
+      a.queue = it->second.queue;
+    } else {
+      a.state = before;
+    }
+  };
+  const auto& slots = st.pool.slots();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const auto& g = slots[i];
+    ActorStatus a{.name = "generator " + std::to_string(i)};
+    said(a, "starting");
+    if (auto it = st.busy.find(a.name); it != st.busy.end()) sent += it->second.groups;
+    if (!g.live && !g.reserved) {
+      a.state = "failed";
+      a.detail = st.last_loss;
+    } else if (g.loaded >= 0) {
+      a.detail = "weights v" + std::to_string(g.loaded);
+    }
+    if (g.remote()) a.detail += (a.detail.empty() ? "" : ", ") + std::string("worker pid ") + std::to_string(g.pid);
+    out.push_back(std::move(a));
+  }
+  auto trainer = st.busy.find("trainer");
+  const int64_t received = trainer == st.busy.end() ? 0 : trainer->second.groups;
+  ActorStatus reward{.name = st.spec->reference ? "reward + reference" : "reward"};
+  reward.queue = std::max<int64_t>(0, sent - received);
+  said(reward, "waiting");
+  if (reward.state != "failed") reward.state = reward.queue > 0 ? "scoring" : "waiting";
+  const int64_t workers = st.spec->reward_processes + st.spec->reference_processes;
+  if (workers > 0) reward.detail = "in " + std::to_string(workers) + " worker processes";
+  out.push_back(std::move(reward));
+  ActorStatus t{.name = "trainer"};
+  said(t, "starting");
+  if (t.state != "failed") t.detail = "step " + std::to_string(st.summary.steps) + " of " + std::to_string(st.spec->steps);
+  out.push_back(std::move(t));
+  return out;
+}
+
+void write_status(ControllerState& st) {
+  if (st.status) st.status->running(st.summary.steps, graph_status(st));
+}
+
+// Which of the graph's actors `who` is, for the dashboard; empty when none.
+std::string actor_name(const ControllerState& st, const actor_addr& who) {
+  if (who == st.trainer.address()) return "trainer";
+  if (who == st.sink.address()) return st.spec->reference ? "reward + reference" : "reward";
+  for (size_t i = 0; i < st.pool.slots().size(); ++i)
+    if (st.pool.slots()[i].handle.address() == who) return "generator " + std::to_string(i);
+  return st.spec->reference ? "reward + reference" : "";  // the reference actor, downstream of the reward
+}
+
 void finish(Self self, std::string error) {
   auto& st = self->state;
   if (st.shutting_down) return;
   st.shutting_down = true;
+  write_status(st);  // the last view, with the actor that failed (run.cpp then writes the end)
   if (st.summary.error.empty()) st.summary.error = std::move(error);
   for (const auto& a : st.all) self->send_exit(a, exit_reason::user_shutdown);
   for (const auto& g : st.pool.slots())
@@ -170,6 +239,10 @@ bool lose_generator(Self self, const down_msg& dm) {
     const auto held = s.held.size();
     std::vector<PromptItem> given_up;
     anon_send(st.waiter, WorkerLost{s.pid});  // a hung one is killed, and so replaced
+    if (auto it = st.busy.find("generator " + std::to_string(i)); it != st.busy.end()) {
+      st.groups_from_lost += it->second.groups;  // a replacement in this slot counts from 0
+      st.busy.erase(it);
+    }
     st.pool.lose(dm.source, resend, given_up);
     st.last_loss = "generator " + std::to_string(i) + " went away (" + (dm.reason ? reason_text(dm.reason) : "normal exit") + ")";
     std::cerr << "troupe run: " << st.last_loss << "; its " << held - given_up.size() << " unfinished prompts go to "
@@ -203,8 +276,9 @@ void report(Self self, const StepReport& r) {
     st.board->samples(shown);
   }
   if (!st.spec->quiet) std::cout << progress_line(j, st.spec->steps, st.pace->tick(r.step), st.colour) << std::endl;
-  if (st.spec->on_step) st.spec->on_step(j);
   st.summary.steps = r.step;
+  write_status(st);  // the dashboard's step moves with metrics.jsonl
+  if (st.spec->on_step) st.spec->on_step(j);
   st.summary.metrics.push_back(std::move(line));
   st.summary.trained.insert(st.summary.trained.end(), r.trained.begin(), r.trained.end());
   st.summary.failed.insert(st.summary.failed.end(), r.failed.begin(), r.failed.end());
@@ -307,6 +381,7 @@ void tick(Self self) {
                      st.last_loss + "); " + std::to_string(st.pool.unfinished()) + " prompts unfinished");
     return;
   }
+  if (++st.ticks % 5 == 0) write_status(st);  // about once a second
   self->delayed_send(self, std::chrono::milliseconds(200), tick_atom::value);
 }
 
@@ -332,6 +407,7 @@ void start(Self self) {
   self->set_down_handler([=](down_msg& dm) {
     if (self->state.shutting_down || lose_generator(self, dm)) return;
     std::string why = dm.reason ? reason_text(dm.reason) : "normal exit";
+    if (auto name = actor_name(self->state, dm.source); !name.empty()) self->state.failed[name] = why;
     finish(self, "an actor stopped unexpectedly: " + why);
   });
   // An exception here ends the run with a summary like any other failure.
@@ -347,6 +423,8 @@ void start(Self self) {
     // tb/ is then made again from both, so it shows exactly what they hold.
     if (spec->resume) recipe::keep_steps_up_to(spec->run_dir / "samples.jsonl", spec->resume->step);
     st.samples.open(spec->run_dir / "samples.jsonl", std::ios::app);
+    st.status.emplace(spec->run_dir, spec->recipe, spec->steps);
+    write_status(st);
     try {
       st.board = std::make_unique<RunBoard>(spec->run_dir);
     } catch (const std::exception& e) {
@@ -395,6 +473,10 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
         }
       },
       [=](tick_atom) { tick(self); },
+      [=](ActorBusy& busy) {
+        auto name = busy.actor;
+        self->state.busy[name] = std::move(busy);
+      },
       // The trainer's next batch lacks n groups (dynamic sampling filtered them): n more prompts.
       // In deterministic and finish modes they queue behind prompts already sent (later batches),
       // which keeps the order fixed at the price of the trainer waiting that much longer.

@@ -74,9 +74,25 @@ struct GeneratorState {
   std::deque<std::variant<PromptBatch, WeightsReady>> deferred;
   bool said_http = false;  // the first version fetched over HTTP is logged
   double busy_s = 0;       // decode time not yet handed to a group (RolloutGroup::generate_s)
+  int64_t groups_sent = 0;  // failed ones included
+  ActorBusy told;           // what the controller was last told (the dashboard's view)
 };
 
 using Self = generator_actor::stateful_pointer<GeneratorState>;
+
+// Tells the controller what it does now ("generating" or "waiting" unless `state` says), when
+// that changed.
+void tell_busy(Self self, std::string state = "") {
+  auto& st = self->state;
+  if (state.empty()) state = st.engine->has_work() ? "generating" : "waiting";
+  auto queue = static_cast<int64_t>(st.pending.size());
+  for (const auto& d : st.deferred)
+    if (const auto* b = std::get_if<PromptBatch>(&d)) queue += static_cast<int64_t>(b->prompts.size());
+  ActorBusy now{"generator " + std::to_string(st.index), std::move(state), queue, st.groups_sent};
+  if (now.state == st.told.state && now.queue == st.told.queue && now.groups == st.told.groups) return;
+  st.told = now;
+  self->send(st.controller, std::move(now));
+}
 
 void kick(Self self) {
   if (self->state.stepping) return;
@@ -98,11 +114,13 @@ void admit(Self self, PromptBatch& batch) {
       // A prompt the engine cannot take (too long for max_seq_len, ids outside the vocabulary)
       // fails alone: reported, never trained, and the generator goes on.
       self->send(st.next, failed_group(p, "generator " + std::to_string(st.index) + ": " + e.what()));
+      ++st.groups_sent;
       continue;
     }
     st.pending.emplace(id, Pending{std::move(p), std::vector<Completion>(st.spec.sampling.n), 0});
   }
   kick(self);
+  tell_busy(self);
 }
 
 void load(Self self, const WeightsReady& notice) {
@@ -112,9 +130,11 @@ void load(Self self, const WeightsReady& notice) {
   if (fetched && !st.said_http)
     std::cout << "troupe: generator " << st.index << " takes weights over HTTP from " << notice.url << std::endl;
   st.said_http = st.said_http || fetched;
+  tell_busy(self, "loading weights");
   st.engine->update_weights(read_weights(notice, st.spec.weights_over_http), notice.version);
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   self->send(self->state.controller, WeightsLoaded{self->state.index, notice.version, s});
+  tell_busy(self);
 }
 
 // Whether a notice (or prompts) must wait for what the engine holds. Deterministic mode: both
@@ -165,6 +185,7 @@ void step(Self self) {
   for (auto& g : groups) {
     g.generate_s = st.busy_s / static_cast<double>(groups.size());
     self->send(st.next, std::move(g));
+    ++st.groups_sent;
   }
   if (!groups.empty()) st.busy_s = 0;
   if (!st.engine->has_work()) drain(self);
@@ -173,6 +194,7 @@ void step(Self self) {
   } else {
     st.stepping = false;
   }
+  tell_busy(self);
 }
 
 generator_actor::behavior_type generator(Self self, GeneratorSpec spec, rollout_sink next, controller_actor controller,
@@ -195,6 +217,7 @@ generator_actor::behavior_type generator(Self self, GeneratorSpec spec, rollout_
       [=](PromptBatch& batch) {
         if (waits(self->state, false)) {
           self->state.deferred.emplace_back(std::move(batch));
+          tell_busy(self);
         } else {
           admit(self, batch);
         }
@@ -212,6 +235,7 @@ generator_actor::behavior_type generator(Self self, GeneratorSpec spec, rollout_
 struct RemoteState {
   RemoteGeneratorSpec spec;
   std::unique_ptr<RemoteEngine> engine;
+  int64_t groups_sent = 0;
 };
 
 generator_actor::behavior_type remote_generator(generator_actor::stateful_pointer<RemoteState> self, RemoteGeneratorSpec spec,
@@ -226,6 +250,9 @@ generator_actor::behavior_type remote_generator(generator_actor::stateful_pointe
         const auto& sampling = self->state.spec.sampling;
         std::vector<std::vector<int32_t>> prompts;
         for (const auto& p : batch.prompts) prompts.push_back(p.ids);
+        const std::string name = "generator " + std::to_string(index);
+        auto& sent = self->state.groups_sent;
+        self->send(controller, ActorBusy{name, "generating", static_cast<int64_t>(prompts.size()), sent});
         const auto start = std::chrono::steady_clock::now();
         auto completions = self->state.engine->generate(prompts, sampling);
         const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -236,7 +263,9 @@ generator_actor::behavior_type remote_generator(generator_actor::stateful_pointe
           auto g = make_group(p);
           g.generate_s = seconds / static_cast<double>(pending.size());
           self->send(next, std::move(g));
+          ++sent;
         }
+        self->send(controller, ActorBusy{name, "waiting", 0, sent});
       },
       // The server loaded its model from its own files; the run starts from the trainer's
       // weights (which may differ, e.g. after an SFT warm-up), so version 0 arrives first too.

@@ -25,6 +25,7 @@ void add_message_types(actor_system_config& config) {
   config.add_message_type<RolloutGroup>("troupe::RolloutGroup");
   config.add_message_type<WeightsReady>("troupe::WeightsReady");
   config.add_message_type<WeightsLoaded>("troupe::WeightsLoaded");
+  config.add_message_type<ActorBusy>("troupe::ActorBusy");
   config.add_message_type<StepReport>("troupe::StepReport");
   config.add_message_type<RunSummary>("troupe::RunSummary");
   config.add_message_type<WorkerLost>("troupe::WorkerLost");

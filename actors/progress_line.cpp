@@ -122,6 +122,7 @@ std::string run_folder_summary(const std::filesystem::path& dir) {
       {"metrics.jsonl", "metrics, one line per step"},
       {"tb", "TensorBoard events (tensorboard --logdir)"},
       {"samples.jsonl", "sampled completions with their rewards"},
+      {"status.json", "how the run ended, and its actors (the dashboard reads it)"},
       {"failures.jsonl", "rollout groups that failed"},
       {"checkpoints", "checkpoints (Hugging Face folders; resume= continues from the last)"},
   };
@@ -151,6 +152,9 @@ std::string run_folder_summary(const std::filesystem::path& dir) {
     }
     if (last >= 0) out += "  latest checkpoint: " + (dir / "checkpoints" / ("step_" + std::to_string(last))).string() + "\n";
   }
+  if (std::filesystem::exists(dir / "metrics.jsonl", ec))
+    out += "  look at it: troupe dashboard " + dir.string() + "  (the browser), or troupe plot " + dir.string() +
+           " -o curves.png\n";
   return out;
 }
 

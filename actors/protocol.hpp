@@ -56,6 +56,16 @@ struct WeightsLoaded {
   double load_s = 0;
 };
 
+// What a generator or the trainer is doing, for the dashboard (runs/NAME/status.json): sent to
+// the controller when it changes. `groups` counts the groups it has sent on (a generator) or
+// taken in (the trainer) since it started, so the controller knows how many are between them.
+struct ActorBusy {
+  std::string actor;   // "generator 0", "trainer"
+  std::string state;   // generating, loading weights, training, checkpointing, waiting
+  int64_t queue = 0;   // prompts it holds unfinished (a generator), groups buffered (the trainer)
+  int64_t groups = 0;
+};
+
 // A trained batch: the step's metrics as metrics.jsonl stores them, and its tickets.
 struct StepReport {
   int64_t step = 0;
@@ -94,7 +104,7 @@ using stage_router = caf::typed_actor<caf::reacts_to<RolloutGroup>, caf::reacts_
                                       caf::reacts_to<tick_atom>>;
 using controller_actor =
     caf::typed_actor<caf::reacts_to<WeightsReady>, caf::reacts_to<WeightsLoaded>, caf::reacts_to<StepReport>,
-                     caf::reacts_to<tick_atom>,
+                     caf::reacts_to<tick_atom>, caf::reacts_to<ActorBusy>,
                      // a worker process asks what to build: its index, the GeneratorSpec as JSON, the sink
                      caf::replies_to<join_atom>::with<int64_t, std::string, rollout_sink>,
                      // and then joins with the generator it built
@@ -134,6 +144,10 @@ typename Inspector::result_type inspect(Inspector& f, WeightsReady& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WeightsLoaded& x) {
   return f(caf::meta::type_name("WeightsLoaded"), x.generator, x.version, x.load_s);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, ActorBusy& x) {
+  return f(caf::meta::type_name("ActorBusy"), x.actor, x.state, x.queue, x.groups);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, StepReport& x) {

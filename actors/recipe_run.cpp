@@ -179,9 +179,11 @@ void keep_steps_up_to(const std::filesystem::path& file, int64_t step) {
   for (const auto& line : kept) out << line << "\n";
 }
 
-RunFolder::RunFolder(const RunConfig& c, int64_t resumed_step, bool writer) : c_(c), writer_(writer), dir_(c.run.dir) {
+RunFolder::RunFolder(const RunConfig& c, int64_t resumed_step, bool writer)
+    : c_(c), writer_(writer), dir_(c.run.dir), status_(writer ? dir_ : std::filesystem::path(), std::string(to_string(c.recipe)), c.trainer.steps) {
   std::filesystem::create_directories(dir_);
   if (!writer_) return;
+  status_.running(resumed_step, {{.name = "trainer", .state = "training"}});
   std::ofstream(dir_ / "config.yaml") << to_yaml(c);
   if (resumed_step > 0) keep_steps_up_to(dir_ / "metrics.jsonl", resumed_step);
   metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
@@ -202,6 +204,8 @@ void RunFolder::step(int64_t step, nlohmann::json j, int64_t tokens, GraphResult
   if (!writer_) return;
   metrics_ << j.dump() << "\n" << std::flush;
   board_->metrics(j);
+  status_.running(step, {{.name = "trainer", .state = "training", .detail = "step " + std::to_string(step) + " of " +
+                                                                      std::to_string(c_.trainer.steps)}});
   if (step % c_.run.log_every == 0 || step == c_.trainer.steps) {
     const bool colour = colour_terminal();
     std::string line = std::string(colour ? "\033[1m" : "") + "step " + std::to_string(step) + "/" +

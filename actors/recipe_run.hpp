@@ -18,6 +18,7 @@
 #include "actors/config.hpp"
 #include "actors/graph.hpp"
 #include "actors/progress_line.hpp"
+#include "actors/run_status.hpp"
 #include "policy/checkpoint.hpp"
 #include "policy/lora.hpp"
 #include "trainer/trainer.hpp"
@@ -133,6 +134,7 @@ class RunFolder {
   std::unique_ptr<RunBoard> board_;  // rank 0's tb/
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
   Pace pace_{c_.trainer.steps};  // the progress line's steps/min and ETA
+  RunStatus status_;             // status.json: the trainer alone, training
 };
 
 }  // namespace recipe

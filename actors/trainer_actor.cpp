@@ -53,6 +53,7 @@ struct TrainerActorState {
   bool stop_asked = false;  // checkpoint at the next step that can be resumed from, then train no more
   int64_t stop_at = -1;     // that step, once trained
   Clock::time_point idle_since = Clock::now();
+  int64_t received = 0;  // groups taken in, duplicates left out (the dashboard's count)
 };
 
 using Self = trainer_actor::stateful_pointer<TrainerActorState>;
@@ -194,6 +195,15 @@ void log_failures(TrainerActorState& st, const std::vector<RolloutGroup>& failed
                 << "\n" << std::flush;
 }
 
+// Tells the controller what the trainer does (the dashboard's view): `state`, with the groups
+// buffered for later batches.
+void tell_busy(Self self, const char* state) {
+  auto& st = self->state;
+  int64_t buffered = 0;
+  for (const auto& [batch, groups] : st.buffer) buffered += static_cast<int64_t>(groups.size());
+  self->send(st.controller, ActorBusy{"trainer", state, buffered, st.received});
+}
+
 // Once the stop checkpoint is complete (its outstanding groups all in), the controller ends the run.
 void tell_stopped(Self self) {
   auto& st = self->state;
@@ -222,6 +232,7 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   log_failures(st, failed, step);
   auto start = Clock::now();
   double wait_s = std::chrono::duration<double>(start - st.idle_since).count();
+  tell_busy(self, "training");
   // With every group of the batch failed there is nothing to learn from: the step passes
   // without an update, so the version (and the weights generators hold) stay put.
   std::optional<RlUpdate> update;
@@ -276,6 +287,7 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   st.rounds.erase(st.next_batch);
   ++st.next_batch;
   tell_stopped(self);
+  tell_busy(self, "waiting");
 }
 
 int64_t refills_of(const TrainerActorState& st, int64_t b) {
@@ -364,7 +376,9 @@ trainer_actor::behavior_type trainer(Self self, const GraphSpec* spec, controlle
     self->state.checkpoints->add(g);
     tell_stopped(self);
     self->state.buffer[g.batch].push_back(std::move(g));
+    ++self->state.received;
     if (self->state.started) train_ready(self);
+    tell_busy(self, "waiting");  // for the next group, or the rest of a batch
   }};
 }
 

@@ -32,7 +32,7 @@ std::string app_identifier() {
 #endif
   // TROUPE_APP_ID lets a test play a worker of another build.
   if (const char* other = std::getenv("TROUPE_APP_ID")) return other;
-  return "troupe-" + version + "-graph-protocol-4";
+  return "troupe-" + version + "-graph-protocol-5";
 }
 
 namespace {

@@ -20,6 +20,8 @@
 #include "actors/progress_line.hpp"
 #include "actors/run.hpp"
 #include "actors/worker.hpp"
+#include "actors/run_status.hpp"
+#include "apps/dashboard.hpp"
 #include "apps/plot.hpp"
 #include "generator/generate.hpp"
 #include "generator/server.hpp"
@@ -248,6 +250,22 @@ int run_plot(const PlotOptions& options) {
   return 0;
 }
 
+// HOST:PORT given as `key`, split.
+std::pair<std::string, int> host_port(const std::string& address, const std::string& key) {
+  auto split = split_host_port(address);
+  if (!split) throw Error(key + " " + address + ": expected HOST:PORT, e.g. 127.0.0.1:8265 (port 0: any free one)");
+  return {split->first, split->second};
+}
+
+// `troupe dashboard runs/`: the dashboard of finished and running runs, until Ctrl-C.
+int run_dashboard(const std::string& root, const std::string& listen) {
+  auto [host, port] = host_port(listen, "--listen");
+  Dashboard dashboard(root, host, port, "--listen");
+  std::cout << "troupe dashboard: " << root << " at " << dashboard.url() << " (Ctrl-C stops)" << std::endl;
+  dashboard.serve_here();
+  return 0;
+}
+
 }  // namespace
 
 std::atomic<bool> g_stop{false};
@@ -258,13 +276,14 @@ std::atomic<bool> g_stop{false};
 // so exiting at once loses only the step in progress (resume= continues from the last
 // checkpoint). The signals are taken by one thread with sigwait, so that it may print and
 // flush; they are blocked before any other thread starts, and every thread inherits that.
-void watch_stop_signals() {
+// `run_dir`'s status.json then says the run was stopped (the dashboard shows it so).
+void watch_stop_signals(std::filesystem::path run_dir) {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  std::thread([signals] {
+  std::thread([signals, run_dir] {
     for (;;) {
       int sig = 0;
       if (sigwait(&signals, &sig) != 0) continue;
@@ -272,8 +291,9 @@ void watch_stop_signals() {
         std::cerr << "\ntroupe run: Ctrl-C: stopping after this step (Ctrl-C again stops now)" << std::endl;
         continue;
       }
-      std::cerr << "\ntroupe run: " << (sig == SIGINT ? "second Ctrl-C" : "SIGTERM")
-                << ": stopping now; resume= continues from the last checkpoint" << std::endl;
+      const std::string why = sig == SIGINT ? "second Ctrl-C" : "SIGTERM";
+      std::cerr << "\ntroupe run: " << why << ": stopping now; resume= continues from the last checkpoint" << std::endl;
+      troupe::end_run_status(run_dir, "stopped", -1, why + ": stopped at once, the step in progress lost");
       std::cout.flush();
       std::_Exit(128 + sig);
     }
@@ -291,9 +311,19 @@ int run_from_config(const std::string& path, const std::vector<std::string>& ove
                                 {.ranks = static_cast<int>(config.parallel.trainer_ranks),
                                  .threads_per_rank = static_cast<int>(config.trainer.threads)});
   }
-  watch_stop_signals();
+  watch_stop_signals(config.run.dir);
   const bool rank0 = troupe::parallel_env().rank == 0;  // the other ranks of a job say nothing twice
   if (rank0) std::cout << "troupe run: " << path << " -> " << config.run.dir << std::endl;
+  // After the signal mask: the dashboard's threads inherit it, so Ctrl-C still reaches the run.
+  std::unique_ptr<troupe::Dashboard> dashboard;
+  if (rank0 && !config.run.dashboard.empty()) {
+    auto [host, port] = host_port(config.run.dashboard, "run.dashboard");
+    std::filesystem::create_directories(config.run.dir);
+    dashboard = std::make_unique<troupe::Dashboard>(config.run.dir, host, port,
+                                                    config.origin.at("run.dashboard") + ": run.dashboard");
+    dashboard->serve_in_background();
+    std::cout << "troupe run: dashboard at " << dashboard->url() << std::endl;
+  }
   auto result = troupe::run_config(config, &g_stop);
   if (!result.ok) {
     std::cerr << "troupe: error: " << result.error << " (after " << result.steps << " of " << config.trainer.steps
@@ -406,6 +436,16 @@ int main(int argc, char** argv) {
   worker_cmd->add_option("--timeout", worker_timeout_s, "Seconds to keep trying to reach the controller")
       ->capture_default_str()->check(CLI::PositiveNumber);
 
+  std::string dashboard_root, dashboard_listen = "127.0.0.1:8265";
+  auto* dashboard_cmd = app.add_subcommand("dashboard", "Serve the dashboard of runs (finished or running) in the browser");
+  dashboard_cmd->add_option("runs", dashboard_root, "A run folder, or a folder of them (e.g. runs/)")->required();
+  dashboard_cmd->add_option("--listen", dashboard_listen, "HOST:PORT to serve on (loopback unless you choose otherwise)")
+      ->capture_default_str();
+  dashboard_cmd->footer("The page shows the chosen run's curves (rewards, loss, KL, staleness, tokens/s, generation "
+                        "against training time), its actor graph with each actor's state and queue, and its latest "
+                        "samples, updated every second from the run's files. During a run, run.dashboard=HOST:PORT "
+                        "serves the same page from the run itself.");
+
   auto* ls_cmd = app.add_subcommand("ls", "List the recipes and the configs in ./configs/ (recipe and summary of each)");
 
   PlotOptions plot;
@@ -431,6 +471,7 @@ int main(int argc, char** argv) {
     if (*run_cmd) return run_from_config(run_config_path, run_overrides);
     if (*ls_cmd) return run_ls();
     if (*plot_cmd) return run_plot(plot);
+    if (*dashboard_cmd) return run_dashboard(dashboard_root, dashboard_listen);
     if (*worker_cmd) {
       auto colon = worker_connect.rfind(':');
       int port = colon == std::string::npos ? -1 : std::atoi(worker_connect.c_str() + colon + 1);

