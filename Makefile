@@ -26,7 +26,7 @@ build: setup configure
 
 # Two tests at a time, one per core (tests/CMakeLists.txt says which run alone).
 test: build
-	@cd $(BUILD) && ctest --output-on-failure --no-tests=error -j 2 -LE browser
+	@cd $(BUILD) && ctest --output-on-failure --no-tests=error -j 2
 
 # A short async GRPO run of SmolLM2-135M-Instruct on generated arithmetic word problems
 # (configs/demo.yaml says why), reward printed per step, then pass@1 on the held-out split before

@@ -44,6 +44,8 @@ struct Process {
   fs::path log;
 
   Process(const std::string& command, fs::path log_file) : log(std::move(log_file)) {
+    // An earlier run's log would be read before the shell truncates it: its old port, its old lines.
+    fs::remove(log);
     const std::string line = command + " > " + shell_quote(log.string()) + " 2>&1";
     pid = fork();
     REQUIRE(pid >= 0);
@@ -87,6 +89,9 @@ struct Process {
     }
   }
 };
+
+// `command` ended after two minutes if it has not ended by then (a dashboard that did bind serves on).
+std::string bounded(const std::string& command) { return "timeout 120 sh -c " + shell_quote(command); }
 
 std::string task_args() {
   auto task = fixtures() / "arithmetic";
@@ -256,7 +261,7 @@ TEST_CASE("a dashboard port in use, a folder that is not there, a malformed addr
                 fixtures() / "dashboard_first.log");
   const std::string port = first.wait_for(R"(at http://127\.0\.0\.1:(\d+)/)");
   const std::string bin = shell_quote(env_dir("TROUPE_BIN").string());
-  auto again = run_command(bin + " dashboard " + shell_quote(runs.string()) + " --listen 127.0.0.1:" + port + " 2>&1");
+  auto again = run_command(bounded(bin + " dashboard " + shell_quote(runs.string()) + " --listen 127.0.0.1:" + port) + " 2>&1");
   CHECK(again.status == 1);
   CHECK_MESSAGE(again.out.find("--listen: cannot serve the dashboard on 127.0.0.1:" + port + ": Address already in use") !=
                     std::string::npos,
@@ -264,17 +269,17 @@ TEST_CASE("a dashboard port in use, a folder that is not there, a malformed addr
   // The same from troupe run, naming the key and where it was set; nothing is trained.
   const fs::path dir = fixtures() / "dashboard_bad_run";
   fs::remove_all(dir);
-  auto run = run_command(troupe_run("tiny_arithmetic_grpo", task_args() + " run.dir=" + shell_quote(dir.string()) +
-                                                                " run.dashboard=127.0.0.1:" + port) + " 2>&1");
+  auto run = run_command(bounded(troupe_run("tiny_arithmetic_grpo", task_args() + " run.dir=" + shell_quote(dir.string()) +
+                                                                        " run.dashboard=127.0.0.1:" + port)) + " 2>&1");
   CHECK(run.status == 1);
   CHECK_MESSAGE(run.out.find("override 'run.dashboard=127.0.0.1:" + port + "': run.dashboard: cannot serve the dashboard on 127.0.0.1:" +
                              port + ": Address already in use") != std::string::npos,
                 run.out);
   CHECK(steps_written(dir) == 0);
-  auto missing = run_command(bin + " dashboard " + shell_quote((runs / "nothing_here").string()) + " 2>&1");
+  auto missing = run_command(bounded(bin + " dashboard " + shell_quote((runs / "nothing_here").string())) + " 2>&1");
   CHECK(missing.status == 1);
   CHECK_MESSAGE(missing.out.find("nothing_here: not a folder") != std::string::npos, missing.out);
-  auto malformed = run_command(troupe_run("tiny_arithmetic_grpo", task_args() + " run.dashboard=8265") + " 2>&1");
+  auto malformed = run_command(bounded(troupe_run("tiny_arithmetic_grpo", task_args() + " run.dashboard=8265")) + " 2>&1");
   CHECK(malformed.status == 1);
   CHECK_MESSAGE(malformed.out.find("run.dashboard: expected HOST:PORT") != std::string::npos, malformed.out);
 }
