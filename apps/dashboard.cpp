@@ -37,10 +37,10 @@ fs::file_time_type last_written(const fs::path& dir) {
   return ec ? fs::file_time_type::min() : t;
 }
 
-// The runs `root` holds: itself when it is a run folder, else its sub-folders that are, the
-// one written last at the end (the page opens that one).
-std::vector<fs::path> runs_under(const fs::path& root) {
-  if (is_run(root)) return {root};
+// The runs `root` holds: itself when it is a run folder (or `one_run` says it is one), else its
+// sub-folders that are, the one written last at the end (the page opens that one).
+std::vector<fs::path> runs_under(const fs::path& root, bool one_run) {
+  if (one_run || is_run(root)) return {root};
   std::vector<fs::path> runs;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(root, ec))
@@ -122,15 +122,18 @@ std::string bind_failure(const std::string& host, int port) {
 
 struct Dashboard::Impl {
   fs::path root;
+  bool one_run = false;
   std::string host;
   int port = 0;
   httplib::Server http;
   std::thread thread;
 };
 
-Dashboard::Dashboard(fs::path root, const std::string& host, int port, const std::string& key) : impl_(std::make_unique<Impl>()) {
+Dashboard::Dashboard(fs::path root, const std::string& host, int port, const std::string& key, bool one_run)
+    : impl_(std::make_unique<Impl>()) {
   if (!fs::is_directory(root)) throw Error(root.string() + ": not a folder (expected a run folder, or a folder of runs)");
   impl_->root = std::move(root);
+  impl_->one_run = one_run;
   impl_->host = host;
   const fs::path dygraphs = TROUPE_DYGRAPHS_DIR;
   auto& http = impl_->http;
@@ -148,7 +151,7 @@ Dashboard::Dashboard(fs::path root, const std::string& host, int port, const std
   }
   http.Get("/api/runs", [this](const httplib::Request&, httplib::Response& res) {
     json list = json::array();
-    for (const auto& run : runs_under(impl_->root)) {
+    for (const auto& run : runs_under(impl_->root, impl_->one_run)) {
       json status;
       try {
         status = read_run_status(run);
@@ -168,7 +171,7 @@ Dashboard::Dashboard(fs::path root, const std::string& host, int port, const std
     } catch (const std::exception&) {
       return send_json(res, {{"error", "from: expected a line number, got '" + req.get_param_value("from") + "'"}}, 400);
     }
-    for (const auto& run : runs_under(impl_->root))
+    for (const auto& run : runs_under(impl_->root, impl_->one_run))
       if (run_name(run) == name) return send_json(res, run_view(run, from));
     send_json(res, {{"error", "no run named '" + name + "' in " + impl_->root.string()}}, 404);
   });

@@ -17,9 +17,10 @@ namespace troupe {
 class Dashboard {
  public:
   // Serves `root` (a run folder, or a folder of run folders) on host:port (0: any free one).
-  // Throws Error naming `key` (e.g. run.dashboard, --listen) when the address cannot be bound
-  // (a port in use), or naming `root` when it is not a folder.
-  Dashboard(std::filesystem::path root, const std::string& host, int port, const std::string& key);
+  // `one_run`: root is the run itself, even before it has written a file (troupe run's own
+  // dashboard, up while the model loads). Throws Error naming `key` (e.g. run.dashboard,
+  // --listen) when the address cannot be bound (a port in use), or naming `root` when it is not a folder.
+  Dashboard(std::filesystem::path root, const std::string& host, int port, const std::string& key, bool one_run = false);
   ~Dashboard();  // stops serving
   Dashboard(const Dashboard&) = delete;
   Dashboard& operator=(const Dashboard&) = delete;

@@ -320,7 +320,7 @@ int run_from_config(const std::string& path, const std::vector<std::string>& ove
     auto [host, port] = host_port(config.run.dashboard, "run.dashboard");
     std::filesystem::create_directories(config.run.dir);
     dashboard = std::make_unique<troupe::Dashboard>(config.run.dir, host, port,
-                                                    config.origin.at("run.dashboard") + ": run.dashboard");
+                                                    config.origin.at("run.dashboard") + ": run.dashboard", /*one_run=*/true);
     dashboard->serve_in_background();
     std::cout << "troupe run: dashboard at " << dashboard->url() << std::endl;
   }

@@ -20,6 +20,7 @@
 #include <set>
 #include <thread>
 
+#include <httplib.h>
 #include <nlohmann/json.hpp>
 
 #include "tests/actors/run_util.hpp"
@@ -195,6 +196,13 @@ TEST_CASE("the dashboard of a running run: its curves hold the run's points, its
                                                     " run.dashboard=127.0.0.1:0"),
               fixtures() / "dashboard_running.log");
   const std::string url = run.wait_for(R"(dashboard at (http://127\.0\.0\.1:\d+/))");
+  {  // Up before the run has written anything (the model still loading): the run is there, not a 404.
+    httplib::Client client(url.substr(0, url.size() - 1));
+    client.set_read_timeout(30, 0);
+    auto res = client.Get("/api/run?name=dashboard_running");
+    REQUIRE(res);
+    CHECK_MESSAGE(res->status == 200, res->body);
+  }
   wait_steps(dir, 3, run);
   const auto dom = chromium(url, fixtures() / "dashboard_running.png");
   const auto charts = chart_data(dom);
