@@ -174,7 +174,8 @@ void draw(Self self, int64_t n, int64_t batch_index) {
   auto* slot = &std::get<std::optional<PromptBatch>>(st.outbox.back());
   self->request(st.data, infinite, next_atom::value, n, batch_index).then([=](PromptBatch& batch) {
     auto& st = self->state;
-    for (const auto& p : batch.prompts) st.summary.issued.push_back(p.ticket);
+    if (st.spec->keep_history)
+      for (const auto& p : batch.prompts) st.summary.issued.push_back(p.ticket);
     // Spread over the generators by ticket (at flush), so each one's share does not depend on
     // how many batches came before (a resumed run splits as the original did).
     *slot = std::move(batch);
@@ -279,10 +280,12 @@ void report(Self self, const StepReport& r) {
   st.summary.steps = r.step;
   write_status(st);  // the dashboard's step moves with metrics.jsonl
   if (st.spec->on_step) st.spec->on_step(j);
-  st.summary.metrics.push_back(std::move(line));
-  st.summary.trained.insert(st.summary.trained.end(), r.trained.begin(), r.trained.end());
-  st.summary.failed.insert(st.summary.failed.end(), r.failed.begin(), r.failed.end());
-  st.summary.filtered.insert(st.summary.filtered.end(), r.filtered.begin(), r.filtered.end());
+  if (st.spec->keep_history) {
+    st.summary.metrics.push_back(std::move(line));
+    st.summary.trained.insert(st.summary.trained.end(), r.trained.begin(), r.trained.end());
+    st.summary.failed.insert(st.summary.failed.end(), r.failed.begin(), r.failed.end());
+    st.summary.filtered.insert(st.summary.filtered.end(), r.filtered.begin(), r.filtered.end());
+  }
   st.pool.done(r.trained);
   st.pool.done(r.failed);
   st.pool.done(r.filtered);
@@ -432,7 +435,7 @@ void start(Self self) {
       return;
     }
   }
-  if (spec->resume)
+  if (spec->resume && spec->keep_history)
     for (const auto& g : spec->resume->groups) st.summary.issued.push_back(g.ticket);
   spawn_graph(self);
   // However the controller ends, the actors it spawned end with it (workers watch it themselves).

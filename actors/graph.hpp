@@ -131,6 +131,9 @@ struct GraphSpec {
   ModelConfig model_config;            // written as config.json on checkpoint
   int64_t checkpoint_every = 0;        // 0: only at the end (when run_dir is set)
   bool quiet = false;                  // no progress line per step
+  // The result keeps every step's metrics and every ticket (callers that check the accounting
+  // read them); troupe run turns it off, so a run of any length holds no state per step.
+  bool keep_history = true;
 
   std::function<void(const nlohmann::json&)> on_step;  // sees every step's metrics
   const std::atomic<bool>* stop_requested = nullptr;   // e.g. set by SIGINT: shut down cleanly
@@ -155,7 +158,7 @@ struct GraphResult {
   bool ok = false;
   std::string error;  // the failing actor and why, when !ok
   int64_t steps = 0;  // optimizer steps completed
-  std::vector<nlohmann::json> metrics;
+  std::vector<nlohmann::json> metrics;  // every step's; this and the tickets only with spec.keep_history
   // Rollout accounting, as tickets (PromptItem::ticket): every prompt handed out ends up in
   // trained, filtered or failed exactly once when the run finishes its steps.
   std::vector<int64_t> issued, trained, failed, filtered;

@@ -220,7 +220,7 @@ void RunFolder::step(int64_t step, nlohmann::json j, int64_t tokens, GraphResult
     if (!pace.empty()) line += std::string("  ") + (colour ? "\033[2m" : "") + pace + (colour ? "\033[0m" : "");
     std::cout << line << std::endl;
   }
-  result.metrics.push_back(std::move(j));
+  // Not kept in `result`: metrics.jsonl holds every step, and a long run holds nothing per step.
 }
 
 void add_memory_metrics(const Policy& p, nlohmann::json& j) {

@@ -122,7 +122,7 @@ class RunFolder {
   // `writer`: this process writes the folder (rank 0); the others only write their checkpoint shards.
   RunFolder(const RunConfig& c, int64_t resumed_step = 0, bool writer = true);
   ~RunFolder();
-  // Adds step, time and tokens_per_s to `metrics`, writes and prints it, keeps it in `result`.
+  // Adds step, time and tokens_per_s to `metrics`, writes and prints it, counts it in result.steps.
   void step(int64_t step, nlohmann::json metrics, int64_t tokens, GraphResult& result);
   void checkpoint(const Policy& policy, int64_t step, const nlohmann::json& cursor);
 

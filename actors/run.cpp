@@ -148,6 +148,7 @@ void set_schedule(GraphSpec& spec, const RunConfig& c) {
   spec.sync_every = c.async.sync_every;
   spec.reference = c.reference.enabled || c.trainer.loss.beta > 0 || c.teacher.has_value();
   spec.run_dir = c.run.dir;
+  spec.keep_history = false;  // metrics.jsonl and the checkpoints hold it; a long run holds nothing per step
   spec.model_source = c.model.path;
   spec.checkpoint_every = c.run.checkpoint_every;
   spec.deterministic = c.run.deterministic;
