@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,8 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -51,17 +54,59 @@ std::vector<fs::path> runs_under(const fs::path& root, bool one_run) {
 
 std::string run_name(const fs::path& run) { return fs::weakly_canonical(run).filename().string(); }
 
-// The complete lines of a JSONL file (a line still being written, without its newline, waits
-// for the next poll).
-std::vector<std::string> complete_lines(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
+// Where a poll left off in one JSONL file: its `line`th complete line starts at byte `offset`.
+// Polls ask for the lines after the ones they have, so each reads only what was appended since,
+// not the whole file (a long run's metrics.jsonl reaches tens of MB; read whole once a second, it
+// cost a core and grew the process by the allocator's leftovers). A file replaced since (a resume
+// rewrites metrics.jsonl: a new inode) or cut shorter is read again from its start.
+struct Cursor {
+  int64_t line = 0;
+  std::streamoff offset = 0;
+  ino_t inode = 0;
+};
+
+// The complete lines of `file` from line `from` on (a line still being written, without its
+// newline, waits for the next poll), reading from `cursor` when it is at or before `from`.
+std::vector<std::string> lines_from(const fs::path& file, int64_t from, Cursor& cursor) {
   std::vector<std::string> lines;
-  std::string all = text.str();
-  for (size_t start = 0, end; (end = all.find('\n', start)) != std::string::npos; start = end + 1)
-    lines.push_back(all.substr(start, end - start));
+  struct stat st {};
+  if (::stat(file.c_str(), &st) != 0) {
+    cursor = {};
+    return lines;
+  }
+  if (st.st_ino != cursor.inode || st.st_size < cursor.offset || from < cursor.line) cursor = {.inode = st.st_ino};
+  std::ifstream in(file, std::ios::binary);
+  in.seekg(cursor.offset);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (in.eof()) break;  // no newline yet: not complete
+    if (cursor.line >= from) lines.push_back(line);
+    ++cursor.line;
+    cursor.offset += static_cast<std::streamoff>(line.size()) + 1;
+  }
   return lines;
+}
+
+// The last complete line of `file`, read from its end; empty when it has none.
+std::string last_line(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary | std::ios::ate);
+  if (!in) return "";
+  const std::streamoff size = in.tellg();
+  for (std::streamoff window = 64 << 10;; window *= 2) {
+    const std::streamoff start = std::max<std::streamoff>(0, size - window);
+    std::string tail(static_cast<size_t>(size - start), '\0');
+    in.seekg(start);
+    in.read(tail.data(), static_cast<std::streamsize>(tail.size()));
+    const size_t end = tail.rfind('\n');
+    if (end == std::string::npos) {
+      if (start == 0) return "";
+      continue;
+    }
+    const size_t before = end == 0 ? std::string::npos : tail.rfind('\n', end - 1);
+    if (before == std::string::npos && start > 0) continue;  // the line starts before the window
+    const size_t begin = before == std::string::npos ? 0 : before + 1;
+    return tail.substr(begin, end - begin);
+  }
 }
 
 std::string read_whole(const fs::path& file) {
@@ -74,26 +119,28 @@ std::string read_whole(const fs::path& file) {
 
 // One poll of the page: the run's status, its metrics from line `from` on, its latest samples.
 // A line that is not JSON stops the metrics there, with an error naming the file and line.
-json run_view(const fs::path& run, int64_t from) {
+json run_view(const fs::path& run, int64_t from, Cursor& cursor) {
   json view{{"name", run_name(run)}, {"metrics", json::array()}, {"samples", nullptr}};
   try {
     view["status"] = read_run_status(run);
   } catch (const Error& e) {
     view["status"] = {{"state", "unknown"}, {"error", e.what()}, {"actors", json::array()}};
   }
-  const auto lines = complete_lines(run / "metrics.jsonl");
-  int64_t next = std::min<int64_t>(std::max<int64_t>(from, 0), static_cast<int64_t>(lines.size()));
-  for (; next < static_cast<int64_t>(lines.size()); ++next) {
+  from = std::max<int64_t>(from, 0);
+  const auto lines = lines_from(run / "metrics.jsonl", from, cursor);
+  int64_t next = std::min(from, cursor.line);
+  for (const auto& line : lines) {
     try {
-      view["metrics"].push_back(json::parse(lines[next]));
+      view["metrics"].push_back(json::parse(line));
     } catch (const json::exception& e) {
       view["error"] = (run / "metrics.jsonl").string() + ":" + std::to_string(next + 1) + ": not JSON (" + e.what() + ")";
       break;
     }
+    ++next;
   }
   view["next"] = next;
-  const auto samples = complete_lines(run / "samples.jsonl");
-  if (!samples.empty()) view["samples"] = json::parse(samples.back(), nullptr, /*allow_exceptions=*/false);
+  if (const auto sample = last_line(run / "samples.jsonl"); !sample.empty())
+    view["samples"] = json::parse(sample, nullptr, /*allow_exceptions=*/false);
   if (view["samples"].is_discarded()) view["samples"] = nullptr;
   return view;
 }
@@ -123,6 +170,8 @@ std::string bind_failure(const std::string& host, int port) {
 struct Dashboard::Impl {
   fs::path root;
   bool one_run = false;
+  std::mutex cursors_mutex;  // polls are served by several threads
+  std::map<std::string, Cursor> cursors;  // metrics.jsonl path -> where the last poll left off
   std::string host;
   int port = 0;
   httplib::Server http;
@@ -172,7 +221,11 @@ Dashboard::Dashboard(fs::path root, const std::string& host, int port, const std
       return send_json(res, {{"error", "from: expected a line number, got '" + req.get_param_value("from") + "'"}}, 400);
     }
     for (const auto& run : runs_under(impl_->root, impl_->one_run))
-      if (run_name(run) == name) return send_json(res, run_view(run, from));
+      if (run_name(run) == name) {
+        // One cursor per run and one poll at a time on it: a page polling on, or one just opened.
+        std::lock_guard lock(impl_->cursors_mutex);
+        return send_json(res, run_view(run, from, impl_->cursors[(run / "metrics.jsonl").string()]));
+      }
     send_json(res, {{"error", "no run named '" + name + "' in " + impl_->root.string()}}, 404);
   });
   http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr p) {

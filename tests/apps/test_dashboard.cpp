@@ -259,6 +259,34 @@ TEST_CASE("troupe dashboard shows a run killed mid-way as failed, with every ste
   const auto counts = check_points(chart_data(dom), lines);
   CHECK(counts.at("reward/mean") == lines.size());  // the run has ended: every step it made is drawn
   for (const auto& [name, state] : actor_states(dom)) CHECK_MESSAGE(state == "stopped", name);
+
+  // What the page polls: the lines after those it has, read from where the last poll left off;
+  // a metrics.jsonl replaced since (a resume rewrites it) is read afresh.
+  httplib::Client client(url.substr(0, url.size() - 1));
+  client.set_read_timeout(30, 0);
+  auto poll = [&](int64_t from) {
+    auto res = client.Get("/api/run?name=killed&from=" + std::to_string(from));
+    REQUIRE(res);
+    REQUIRE_MESSAGE(res->status == 200, res->body);
+    return json::parse(res->body);
+  };
+  auto all = poll(0);
+  REQUIRE(all["metrics"].size() == lines.size());
+  CHECK(all["next"] == lines.size());
+  auto rest = poll(1);
+  REQUIRE(rest["metrics"].size() == lines.size() - 1);
+  CHECK(rest["metrics"][0] == lines[1]);
+  CHECK(poll(lines.size())["metrics"].empty());
+  {
+    std::ofstream out(dir / "metrics.jsonl.new");
+    out << lines[0].dump() << "\n{\"step\": 2, \"loss\": 7.5}\n{\"step\": 3, ";  // the last line still being written
+  }
+  fs::rename(dir / "metrics.jsonl.new", dir / "metrics.jsonl");
+  auto again = poll(0);
+  REQUIRE(again["metrics"].size() == 2);
+  CHECK(again["metrics"][1]["loss"] == 7.5);
+  CHECK(again["next"] == 2);
+  CHECK(poll(2)["metrics"].empty());
 }
 
 TEST_CASE("a dashboard port in use, a folder that is not there, a malformed address: each a clear error") {
