@@ -409,6 +409,10 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--max-request-bytes", srv.max_request_bytes, "Largest request body")->check(CLI::Range(1024, 1 << 30));
   serve_cmd->add_option("--max-n", srv.max_n, "Largest n per request")->check(CLI::Range(1, 4096));
   serve_cmd->add_option("--max-tokens", srv.max_tokens, "Largest max_tokens per request")->check(CLI::Range(1, 1 << 20));
+  serve_cmd->add_option("--request-timeout", srv.request_timeout_s, "Seconds for a request's headers and body to arrive (else 408)")
+      ->check(CLI::Range(1, 3600));
+  serve_cmd->add_option("--max-connections", srv.max_connections, "Open connections; past it the oldest idle one closes, or 503")
+      ->check(CLI::Range(1, 1 << 20));
 
   std::string score_reward, score_data;
   auto* score_cmd = app.add_subcommand("score", "Print one reward score per line of a JSONL file (completion, answer)");

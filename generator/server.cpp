@@ -3,8 +3,14 @@
 // metric names. No penalties or beam search: rejected, not ignored.
 #include "generator/server.hpp"
 
+#include <netdb.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <strings.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -15,10 +21,12 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <list>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <span>
+#include <thread>
 
 #include <httplib.h>
 #include <nlohmann/json.hpp>
@@ -202,11 +210,36 @@ std::vector<int32_t> token_ids(const json& v, const std::string& param, int64_t 
   return ids;
 }
 
+// Deeper than any request of the API needs. nlohmann's parser is iterative, but dump() (which
+// error messages call on the value at fault) recurses: a body of a million '[' overflowed the stack.
+constexpr int kMaxJsonDepth = 64;
+
+bool nested_deeper_than(const std::string& text, int limit) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
 json parse_body(const httplib::Request& req, bool allow_empty = false) {
   if (req.body.find_first_not_of(" \t\r\n") == std::string::npos) {
     if (allow_empty) return json::object();
     bad("", "the request body must be a JSON object");
   }
+  if (nested_deeper_than(req.body, kMaxJsonDepth))
+    bad("", "the request body nests arrays or objects more than " + std::to_string(kMaxJsonDepth) + " levels deep");
   json body;
   try {
     body = json::parse(req.body);
@@ -347,6 +380,10 @@ struct Sampling {
 
 class GenerationStream;
 
+// Whether the client of the request this thread serves has closed its connection (defined with
+// the connection handling below; false off an HTTP connection thread).
+bool client_went_away();
+
 // A generation route's answer: a JSON body, or a stream of server-sent events.
 struct Reply {
   Reply(json b) : body(std::move(b)) {}
@@ -399,6 +436,7 @@ class Service {
   std::vector<std::vector<int32_t>> parse_prompts(const json& body) const;
   std::vector<ChatMessage> parse_messages(const json& body) const;
   std::vector<std::vector<Completion>> generate(const std::vector<std::vector<int32_t>>& prompts, const Sampling& s);
+  void check_vocab(const std::vector<int32_t>& ids, const char* param) const;
   json stop_reason(const Completion& c, const Sampling& s) const;
   std::string token_text(int32_t id, bool as_id) const;
   // Over tokens [0, ids.size()); `offset` is the text offset of the first one, and is advanced.
@@ -642,7 +680,9 @@ std::vector<std::vector<int32_t>> Service::parse_prompts(const json& body) const
   if (!prompt) bad("prompt", "`prompt` is required: a string, a list of token ids, or a list of either");
   auto encode = [&](const json& text) {
     if (text.get_ref<const std::string&>().empty()) bad("prompt", "the prompt must not be empty");
-    return tokenizer("prompt").encode(text.get<std::string>());
+    auto ids = tokenizer("prompt").encode(text.get<std::string>());
+    check_vocab(ids, "prompt");
+    return ids;
   };
   auto ids = [&](const json& list) {
     if (list.empty()) bad("prompt", "the prompt must not be empty");
@@ -665,6 +705,15 @@ std::vector<std::vector<int32_t>> Service::parse_prompts(const json& body) const
   return out;
 }
 
+// A tokenizer may be larger than the model's embedding (a tiny model with a real tokenizer): text
+// that encodes to ids past it cannot be served, and the client should hear which field did it.
+void Service::check_vocab(const std::vector<int32_t>& ids, const char* param) const {
+  for (int32_t id : ids)
+    if (id < 0 || id >= config_.vocab_size)
+      bad(param, std::string("`") + param + "` encodes to token id " + std::to_string(id) + " (" + token_text(id, false) +
+                     "), outside the model's vocabulary [0, " + std::to_string(config_.vocab_size) + ")");
+}
+
 // Counts a generation request from admission to answer, for /pause?mode=wait; while such a
 // pause holds, new ones get vLLM's 503 (RetryableRequestError), which clients retry.
 void Service::admit() {
@@ -681,7 +730,9 @@ void Service::leave() {
   drained_.notify_all();
 }
 
-// Runs every prompt as its own engine request, all at once, so they share the batch.
+// Runs every prompt as its own engine request, all at once, so they share the batch. A client
+// that closes its connection meanwhile has its requests aborted, as vLLM aborts them: their
+// slots free at once instead of decoding for nobody.
 std::vector<std::vector<Completion>> Service::generate(const std::vector<std::vector<int32_t>>& prompts, const Sampling& s) {
   admit();
   struct Leave {
@@ -689,14 +740,24 @@ std::vector<std::vector<Completion>> Service::generate(const std::vector<std::ve
     ~Leave() { service->leave(); }
   } answered{this};
   std::vector<std::future<std::vector<Completion>>> futures;
-  for (const auto& p : prompts) futures.push_back(loop_->submit(p, s.params));
+  std::vector<std::shared_ptr<EngineLoop::Watch>> watches;
+  for (const auto& p : prompts) {
+    watches.push_back(std::make_shared<EngineLoop::Watch>());
+    futures.push_back(loop_->submit(p, s.params, watches.back()));
+  }
+  for (auto& f : futures)
+    while (f.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready)
+      if (client_went_away()) {
+        for (auto& w : watches) loop_->cancel(*w);
+        bad("", "the client closed the connection; its request was aborted");  // nobody reads this
+      }
   std::vector<std::vector<Completion>> out;
   std::string error;
   for (auto& f : futures) {
     try {
       out.push_back(f.get());
     } catch (const std::exception& e) {
-      if (error.empty()) error = e.what();  // keep waiting: every future must be drained
+      if (error.empty()) error = e.what();  // keep reading: every future must be drained
     }
   }
   if (error.empty()) return out;
@@ -1099,6 +1160,7 @@ Reply Service::chat_completions(const json& body) {
   auto messages = parse_messages(body);
   const bool add_generation_prompt = bool_field(body, "add_generation_prompt").value_or(true);
   auto prompt = render_chat(chat_template(), tokenizer("messages"), messages, add_generation_prompt);
+  check_vocab(prompt, "messages");
   if (!s.max_tokens_given) s.params.max_tokens = options_.max_tokens;
   fit_max_tokens(s, static_cast<int64_t>(prompt.size()), "messages");
   if (s.stream) return std::make_shared<GenerationStream>(*this, /*chat=*/true, s, std::vector<std::vector<int32_t>>{prompt});
@@ -1458,6 +1520,338 @@ json Service::is_paused() const {
 }
 
 // ---------------------------------------------------------------------------------------
+// Connections. cpp-httplib 0.11 gives each connection a pool thread for as long as it lasts and
+// times out each read but not the request, so 64 clients sending a byte a second held every
+// thread; and it reads chunked bodies without a limit. Here each connection has a thread of its
+// own up to --max-connections; past that a new connection closes the oldest idle one (connected,
+// no request yet) or, when none is idle, is answered 503 and closed. A request's headers and body
+// must arrive within --request-timeout (408), its headers within kMaxHeaderBytes (431), its body
+// within --max-request-bytes (413). Not an event loop: a connection still costs a thread.
+
+constexpr size_t kMaxHeaderBytes = size_t{64} << 10;
+
+using Clock = std::chrono::steady_clock;
+
+// One connection, on the thread that serves it.
+struct Connection {
+  socket_t sock = INVALID_SOCKET;
+  bool idle = false;     // waiting for a request (guarded by Connections::mutex)
+  bool evicted = false;  // closed to admit a newer one (guarded by Connections::mutex)
+  std::list<Connection*>::iterator at;  // its place in Connections::idle while idle
+  enum class Cut { none, timeout, headers, body } cut = Cut::none;  // why its request could not be read
+  bool close = false;    // answered without reading the body: nothing after it can be parsed
+};
+
+// The connection the current thread serves; null on the accept thread and off HTTP threads.
+thread_local Connection* this_connection = nullptr;
+// Set on the accept thread while it turns a connection away.
+thread_local bool shed_this_connection = false;
+
+bool client_went_away() {
+  if (!this_connection) return false;
+  pollfd p{this_connection->sock, POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return false;  // nothing to read, not even the end: still there
+  if (p.revents & (POLLERR | POLLNVAL)) return true;
+  char c;
+  const ssize_t n = recv(p.fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+// The open connections, shared by the accept thread (admission) and the connection threads.
+struct Connections {
+  explicit Connections(size_t limit) : limit(limit) {}
+  const size_t limit;
+  std::mutex mutex;
+  std::condition_variable ended;
+  size_t open = 0;
+  std::list<Connection*> idle;  // oldest first
+
+  // On the accept thread: room for one more connection, evicting the oldest idle one if need be.
+  bool admit() {
+    std::lock_guard lock(mutex);
+    if (open >= limit) {
+      if (idle.empty()) return false;
+      Connection* oldest = idle.front();
+      idle.pop_front();
+      oldest->idle = false;
+      oldest->evicted = true;
+      ::shutdown(oldest->sock, SHUT_RDWR);  // its poll() wakes; its thread closes it
+    }
+    ++open;
+    return true;
+  }
+  void leave() {
+    std::lock_guard lock(mutex);
+    --open;
+    ended.notify_all();
+  }
+  void set_idle(Connection& c) {
+    std::lock_guard lock(mutex);
+    c.idle = true;
+    c.at = idle.insert(idle.end(), &c);
+  }
+  // False when the connection was evicted while idle.
+  bool set_busy(Connection& c) {
+    std::lock_guard lock(mutex);
+    if (c.evicted) return false;
+    if (c.idle) idle.erase(c.at);
+    c.idle = false;
+    return true;
+  }
+};
+
+// httplib's TaskQueue, one thread per admitted connection; the others are turned away inline.
+class ConnectionThreads : public httplib::TaskQueue {
+ public:
+  explicit ConnectionThreads(std::shared_ptr<Connections> connections) : connections_(std::move(connections)) {}
+
+  void enqueue(std::function<void()> fn) override {
+    auto job = std::make_shared<std::function<void()>>(std::move(fn));
+    if (connections_->admit()) {
+      try {
+        std::thread([connections = connections_, job] {
+          (*job)();
+          connections->leave();
+        }).detach();
+        return;
+      } catch (const std::system_error&) {  // no thread to be had: turn it away like the rest
+        connections_->leave();
+      }
+    }
+    shed_this_connection = true;
+    (*job)();
+    shed_this_connection = false;
+  }
+
+  // Every connection thread has ended (the listening socket is closed, so they end soon).
+  void shutdown() override {
+    std::unique_lock lock(connections_->mutex);
+    connections_->ended.wait(lock, [&] { return connections_->open == 0; });
+  }
+
+ private:
+  std::shared_ptr<Connections> connections_;
+};
+
+std::string socket_address(socket_t sock, bool peer, int& port) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof addr;
+  auto* a = reinterpret_cast<sockaddr*>(&addr);
+  if ((peer ? getpeername(sock, a, &len) : getsockname(sock, a, &len)) != 0) return "";
+  char host[NI_MAXHOST], serv[NI_MAXSERV];
+  if (getnameinfo(a, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) != 0) return "";
+  port = std::atoi(serv);
+  return host;
+}
+
+// One request's reading, under its deadline and byte limits, and the writing of its answer.
+class RequestStream : public httplib::Stream {
+ public:
+  struct Limits {
+    Clock::duration read_timeout, write_timeout;  // each wait
+    Clock::time_point deadline;                   // the whole request (headers and body)
+    size_t max_body;                              // bytes on the wire after the headers
+  };
+
+  RequestStream(Connection& c, Limits limits, const std::atomic<socket_t>& listening)
+      : c_(c), limits_(limits), listening_(listening) {}
+
+  bool is_readable() const override { return off_ < size_ || wait(POLLIN); }
+  bool is_writable() const override { return wait(POLLOUT) && alive(); }
+
+  ssize_t read(char* ptr, size_t size) override {
+    if (off_ == size_) {
+      if (!wait(POLLIN)) return -1;
+      const size_t cap = headers_done_ ? limits_.max_body : kMaxHeaderBytes;
+      const size_t used = headers_done_ ? body_bytes_ : header_bytes_;
+      if (used >= cap) {
+        c_.cut = headers_done_ ? Connection::Cut::body : Connection::Cut::headers;
+        return -1;
+      }
+      ssize_t n;
+      do n = recv(c_.sock, buf_, std::min(sizeof buf_, cap - used), 0);
+      while (n < 0 && errno == EINTR);
+      if (n <= 0) return n;
+      off_ = 0;
+      size_ = static_cast<size_t>(n);
+      count(size_);
+    }
+    const size_t k = std::min(size, size_ - off_);
+    std::memcpy(ptr, buf_ + off_, k);
+    off_ += k;
+    return static_cast<ssize_t>(k);
+  }
+
+  ssize_t write(const char* ptr, size_t size) override {
+    if (!is_writable()) return -1;
+    ssize_t n;
+    do n = send(c_.sock, ptr, size, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    return n;
+  }
+
+  void get_remote_ip_and_port(std::string& ip, int& port) const override { ip = socket_address(c_.sock, true, port); }
+  void get_local_ip_and_port(std::string& ip, int& port) const override { ip = socket_address(c_.sock, false, port); }
+  socket_t socket() const override { return c_.sock; }
+
+ private:
+  // Until the socket is ready, in slices so that a stopping server is noticed; reads also end at
+  // the request's deadline. A read that runs out of time cuts the request.
+  bool wait(short events) const {
+    const bool reading = events == POLLIN;
+    const auto end = std::min(Clock::now() + (reading ? limits_.read_timeout : limits_.write_timeout),
+                              reading ? limits_.deadline : Clock::time_point::max());
+    for (;;) {
+      if (reading && listening_ == INVALID_SOCKET) return false;
+      const auto now = Clock::now();
+      if (now >= end) {
+        if (reading) c_.cut = Connection::Cut::timeout;
+        return false;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - now).count() + 1;
+      pollfd p{c_.sock, events, 0};
+      const int r = poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 100)));
+      if (r > 0) return true;
+      if (r < 0 && errno != EINTR) return false;
+    }
+  }
+
+  // httplib's test: a socket with nothing to read is alive; one that reads its end is not.
+  bool alive() const {
+    pollfd p{c_.sock, POLLIN, 0};
+    if (poll(&p, 1, 0) == 0) return true;
+    char c;
+    return recv(c_.sock, &c, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
+  }
+
+  // Counts the bytes received as headers until the blank line that ends them, then as body.
+  void count(size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      if (headers_done_) {
+        body_bytes_ += n - i;
+        return;
+      }
+      ++header_bytes_;
+      tail_ = (tail_ << 8) | static_cast<unsigned char>(buf_[i]);
+      headers_done_ = tail_ == 0x0D0A0D0A;  // \r\n\r\n
+    }
+  }
+
+  Connection& c_;
+  Limits limits_;
+  const std::atomic<socket_t>& listening_;
+  char buf_[4096];
+  size_t off_ = 0, size_ = 0;
+  bool headers_done_ = false;
+  uint32_t tail_ = 0;
+  size_t header_bytes_ = 0, body_bytes_ = 0;
+};
+
+// httplib's server with the connection handling above in place of its own.
+class GuardedServer : public httplib::Server {
+ public:
+  GuardedServer(const ServeOptions& o, size_t max_connections)
+      : connections_(std::make_shared<Connections>(max_connections)),
+        request_timeout_(std::chrono::seconds(o.request_timeout_s)),
+        max_body_wire_(o.max_request_bytes + kMaxHeaderBytes),  // room for chunk framing
+        max_connections_(max_connections) {
+    new_task_queue = [c = connections_] { return new ConnectionThreads(c); };
+  }
+
+  // httplib listens with a backlog of 5: a burst of connections overflows it, and each one
+  // dropped retries its SYN only after a second (then 3, then 7). Called again, listen() widens it.
+  void widen_backlog() { ::listen(svr_sock_, SOMAXCONN); }
+
+ private:
+  bool process_and_close_socket(socket_t sock) override {
+    if (shed_this_connection) {
+      turn_away(sock);
+      return false;
+    }
+    Connection c{.sock = sock};
+    this_connection = &c;
+    bool ok = false;
+    // A request without Content-Length or Transfer-Encoding has an empty body (RFC 9112 6.3);
+    // httplib would read one until the connection closes.
+    static const std::function<void(httplib::Request&)> empty_body = [](httplib::Request& req) {
+      if (!req.has_header("Content-Length") && !req.has_header("Transfer-Encoding")) req.set_header("Content-Length", "0");
+    };
+    for (size_t left = keep_alive_max_count_; left > 0 && await_request(c); --left) {
+      const auto now = Clock::now();
+      RequestStream stream(c,
+                           {.read_timeout = std::chrono::seconds(read_timeout_sec_) + std::chrono::microseconds(read_timeout_usec_),
+                            .write_timeout = std::chrono::seconds(write_timeout_sec_) + std::chrono::microseconds(write_timeout_usec_),
+                            .deadline = now + request_timeout_,
+                            .max_body = max_body_wire_},
+                           svr_sock_);
+      c.cut = Connection::Cut::none;
+      bool closed = false;
+      ok = process_request(stream, left == 1, closed, empty_body);
+      if (!ok || closed || c.cut != Connection::Cut::none || c.close) break;
+    }
+    this_connection = nullptr;
+    connections_->set_busy(c);  // out of the idle list before the descriptor is closed
+    if (c.cut != Connection::Cut::none || c.close) linger(sock);
+    ::shutdown(sock, SHUT_RDWR);
+    ::close(sock);
+    return ok;
+  }
+
+  // After an answer to a request that was not read to its end: closed with the rest unread, the
+  // socket would send a reset, which can reach the client before the answer does. So the rest is
+  // read and dropped for a moment first (Apache's lingering close).
+  static void linger(socket_t sock) {
+    ::shutdown(sock, SHUT_WR);
+    const auto until = Clock::now() + std::chrono::seconds(1);
+    size_t dropped = 0;
+    char buf[4096];
+    while (Clock::now() < until && dropped < (size_t{1} << 20)) {
+      pollfd p{sock, POLLIN, 0};
+      if (poll(&p, 1, 100) <= 0) continue;
+      const ssize_t n = recv(sock, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      dropped += static_cast<size_t>(n);
+    }
+  }
+
+  // Up to the keep-alive timeout for the next request's first byte; false when the wait ran out,
+  // the server is stopping or the connection was evicted.
+  bool await_request(Connection& c) {
+    connections_->set_idle(c);
+    const auto until = Clock::now() + std::chrono::seconds(keep_alive_timeout_sec_);
+    bool ready = false;
+    while (!ready && svr_sock_ != INVALID_SOCKET && Clock::now() < until) {
+      pollfd p{c.sock, POLLIN, 0};
+      const int r = poll(&p, 1, 100);
+      if (r < 0 && errno != EINTR) break;
+      ready = r > 0;
+    }
+    return connections_->set_busy(c) && ready;
+  }
+
+  // On the accept thread, so without waiting: a 503 if the socket takes it at once, then close.
+  void turn_away(socket_t sock) const {
+    const std::string body =
+        error_body(503, "ServiceUnavailableError",
+                   "too many connections: all " + std::to_string(max_connections_) +
+                       " are busy (--max-connections); retry later", "").dump();
+    const std::string reply = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: " +
+                              std::to_string(body.size()) + "\r\nRetry-After: 1\r\nConnection: close\r\n\r\n" + body;
+    (void)send(sock, reply.data(), reply.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    ::shutdown(sock, SHUT_WR);
+    char drain[4096];  // what the client sent already: unread, it would turn the close into a reset
+    for (int i = 0; i < 16 && recv(sock, drain, sizeof drain, MSG_DONTWAIT) > 0; ++i) {
+    }
+    ::close(sock);
+  }
+
+  std::shared_ptr<Connections> connections_;
+  Clock::duration request_timeout_;
+  size_t max_body_wire_;
+  size_t max_connections_;
+};
+
+// ---------------------------------------------------------------------------------------
 // HTTP wiring.
 
 using Route = std::function<Reply(const json& input)>;
@@ -1473,9 +1867,11 @@ json query_of(const httplib::Request& req) {
 
 // Turns every exception into vLLM's error body: a crash in one request must not take the
 // server (and everyone else's requests) down.
-httplib::Server::Handler json_route(Route route, Input input = Input::body) {
-  return [route = std::move(route), input](const httplib::Request& req, httplib::Response& res) {
+httplib::Server::Handler json_route(Route route, Input input, size_t max_body) {
+  return [route = std::move(route), input, max_body](const httplib::Request& req, httplib::Response& res) {
     try {
+      if (req.body.size() > max_body)  // a chunked body (httplib checks only Content-Length)
+        throw HttpError(413, "BadRequestError", "", "the request body exceeds " + std::to_string(max_body) + " bytes (--max-request-bytes)");
       json in = input == Input::query ? query_of(req)
                 : req.method == "GET" ? json::object()
                                       : parse_body(req, input == Input::body_or_empty);
@@ -1507,6 +1903,8 @@ httplib::Server::Handler json_route(Route route, Input input = Input::body) {
 void add_routes(httplib::Server& http, Service& service) {
   Service* s = &service;
   const Input empty_ok = Input::body_or_empty, query = Input::query;
+  const size_t limit = service.options().max_request_bytes;
+  auto json_route = [limit](Route route, Input input = Input::body) { return troupe::json_route(std::move(route), input, limit); };
   http.Get("/health", json_route([s](const json&) { return s->health(); }));
   http.Get("/v1/models", json_route([s](const json&) { return s->models(); }));
   http.Get("/is_paused", json_route([s](const json&) { return s->is_paused(); }));
@@ -1531,24 +1929,55 @@ void add_routes(httplib::Server& http, Service& service) {
 }
 
 void configure_http(httplib::Server& http, Service& service) {
-  const ServeOptions& o = service.options();
-  // Every request waiting on the engine holds a thread, so allow at least a few per slot.
-  const size_t threads = static_cast<size_t>(std::max<int64_t>(64, 2 * o.max_batch));
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  const ServeOptions& o = service.options();  // threads: one per connection (GuardedServer)
   http.set_payload_max_length(o.max_request_bytes);
-  http.set_pre_routing_handler([&service](const httplib::Request& req, httplib::Response& res) {
+  // Before the body is read, so that neither reaches it: the answer closes the connection.
+  auto refuse = [](httplib::Response& res, int status, const std::string& type, const std::string& message) {
+    send_error(res, status, type, message);
+    res.set_header("Connection", "close");
+    if (this_connection) this_connection->close = true;
+    return httplib::Server::HandlerResponse::Handled;
+  };
+  http.set_pre_routing_handler([&service, refuse](const httplib::Request& req, httplib::Response& res) {
+    // httplib would inflate gzip or brotli bodies without a limit (a small bomb fills the memory);
+    // vLLM does not decompress request bodies either.
+    const std::string encoding = req.get_header_value("Content-Encoding");
+    if (!encoding.empty() && strcasecmp(encoding.c_str(), "identity") != 0)
+      return refuse(res, 415, "BadRequestError", "Content-Encoding '" + encoding + "' is not supported: send the body uncompressed");
+    const std::string transfer = req.get_header_value("Transfer-Encoding");
+    if (!transfer.empty() && strcasecmp(transfer.c_str(), "chunked") != 0)  // 400 as uvicorn answers it
+      return refuse(res, 400, "BadRequestError", "Transfer-Encoding '" + transfer + "' is not supported (only chunked)");
     if (req.path == "/health" || service.authorized(req)) return httplib::Server::HandlerResponse::Unhandled;
     send_error(res, 401, "AuthenticationError", "Unauthorized: send the server's API key as 'Authorization: Bearer KEY'");
     return httplib::Server::HandlerResponse::Handled;
   });
-  // Errors raised by the library itself (unknown route, body too large, unparsable request).
+  // Errors raised by the library itself (unknown route, body too large, unparsable request), and
+  // by RequestStream (too slow, headers too large).
   const size_t limit = o.max_request_bytes;
-  http.set_error_handler(httplib::Server::HandlerWithResponse([limit](const httplib::Request& req, httplib::Response& res) {
+  const std::string in_time = "the request did not arrive in time: all of it within " + std::to_string(o.request_timeout_s) +
+                              " s (--request-timeout), each part within " + std::to_string(CPPHTTPLIB_READ_TIMEOUT_SECOND) + " s";
+  http.set_error_handler(httplib::Server::HandlerWithResponse([limit, in_time](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    if (res.status == 404) send_error(res, 404, "NotFoundError", "no route " + req.method + " " + req.path);
-    else if (res.status == 413)
+    const auto cut = this_connection ? this_connection->cut : Connection::Cut::none;
+    if (res.status == 413 && req.get_header_value("Content-Type").starts_with("application/x-www-form-urlencoded"))
+      send_error(res, 413, "BadRequestError",
+                 "a form-urlencoded body is limited to 8192 bytes; send JSON with 'Content-Type: application/json' "
+                 "(curl -d sends form-urlencoded unless told)");
+    else if (res.status == 413 || cut == Connection::Cut::body)
       send_error(res, 413, "BadRequestError", "the request body exceeds " + std::to_string(limit) + " bytes (--max-request-bytes)");
+    else if (cut == Connection::Cut::timeout)
+      send_error(res, 408, "RequestTimeoutError", in_time);
+    else if (cut == Connection::Cut::headers)
+      send_error(res, 431, "BadRequestError", "the request headers exceed " + std::to_string(kMaxHeaderBytes) + " bytes");
+    else if (res.status == 404)
+      send_error(res, 404, "NotFoundError", "no route " + req.method + " " + req.path);
+    else if (res.status == 414)
+      send_error(res, 414, "BadRequestError", "the request line exceeds 8192 bytes");
+    else if (res.status == 400)
+      send_error(res, 400, "BadRequestError",
+                 "malformed HTTP request: its request line, headers (at most 8192 bytes a line) or body framing could not be parsed");
     else send_error(res, res.status, "BadRequestError", "HTTP " + std::to_string(res.status));
+    if (cut != Connection::Cut::none) res.set_header("Connection", "close");
     return httplib::Server::HandlerResponse::Handled;
   }));
   http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
@@ -1557,10 +1986,56 @@ void configure_http(httplib::Server& http, Service& service) {
   add_routes(http, service);
 }
 
+// Why host:port cannot be bound, as the system says it (httplib only says that it failed).
+std::string bind_failure(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found); rc != 0) return gai_strerror(rc);
+  std::string why = "it could not be bound";
+  for (addrinfo* a = found; a; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    int yes = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    const int rc = bind(fd, a->ai_addr, a->ai_addrlen);
+    const int err = errno;
+    close(fd);
+    if (rc != 0) {
+      why = std::strerror(err);
+      break;
+    }
+  }
+  freeaddrinfo(found);
+  return why;
+}
+
+// Every connection is a descriptor, and the soft limit is often 1024: raise it to the hard one
+// (as vLLM does) and keep the connections within it.
+size_t connection_limit(const ServeOptions& o) {
+  const auto wanted = static_cast<size_t>(o.max_connections);
+  rlimit r{};
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0) return wanted;
+  if (r.rlim_cur < r.rlim_max) {
+    r.rlim_cur = r.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &r);
+    getrlimit(RLIMIT_NOFILE, &r);
+  }
+  constexpr rlim_t reserve = 64;  // the model's files, the engine, the listening socket
+  if (r.rlim_cur == RLIM_INFINITY || r.rlim_cur >= wanted + reserve) return wanted;
+  const size_t fit = r.rlim_cur > 2 * reserve ? static_cast<size_t>(r.rlim_cur - reserve) : 1;
+  std::cerr << "troupe serve: --max-connections " << wanted << " lowered to " << fit << ": the process may open "
+            << r.rlim_cur << " files (ulimit -n)" << std::endl;
+  return fit;
+}
+
 LoadedModel load(const ServeOptions& o) {
   if (o.model.empty()) throw Error("--model is required");
   if (o.max_batch < 1) throw Error("--max-batch must be at least 1");
   if (o.max_seq_len < 2) throw Error("--max-seq-len must be at least 2");
+  if (o.request_timeout_s < 1) throw Error("--request-timeout must be at least 1 second");
+  if (o.max_connections < 1) throw Error("--max-connections must be at least 1");
   LoadOptions lo;
   lo.device = parse_device(o.device);
   auto dtype = choose_dtype(o.dtype, lo.device, "--dtype");
@@ -1583,11 +2058,20 @@ int serve(const ServeOptions& options) {
 
   std::cerr << "troupe serve: loading " << options.model << std::endl;
   Service service(options, load(options));
-  httplib::Server http;
+  GuardedServer http(options, connection_limit(options));
   configure_http(http, service);
+  // SO_REUSEADDR alone: httplib's default adds SO_REUSEPORT, with which a second server would
+  // bind the same port silently and take half of its connections.
+  http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
   const int port = options.port == 0 ? http.bind_to_any_port(options.host) : (http.bind_to_port(options.host, options.port) ? options.port : -1);
+  if (port >= 0) http.widen_backlog();
   if (port < 0)
-    throw Error("cannot listen on " + options.host + ":" + std::to_string(options.port) + " (port in use? try --port 0)");
+    throw Error("cannot listen on " + options.host + ":" + std::to_string(options.port) + ": " +
+                bind_failure(options.host, options.port) + " (another server on port " + std::to_string(options.port) +
+                "? choose another --port, or --port 0 for any free one)");
   std::cout << "troupe serve: listening on http://" << options.host << ":" << port << std::endl;
 
   std::thread listener([&] {

@@ -25,6 +25,11 @@ struct ServeOptions {
   int64_t max_n = 16;             // also capped by max_batch
   int64_t max_tokens = 4096;      // also capped by max_seq_len - prompt length
   int64_t max_prompts = 256;      // prompts in one batched /v1/completions request
+  // Slow and numerous clients: a request's headers and body must arrive within this many seconds
+  // (else 408); at most this many connections are open, each with its own thread (past it the
+  // oldest idle one is closed, or the new one is answered 503).
+  int64_t request_timeout_s = 30;
+  int64_t max_connections = 512;
 };
 
 // Routes (vLLM 0.33.0's names, fields and answers): GET /health, /v1/models, /is_paused,
@@ -51,6 +56,10 @@ struct ServeOptions {
 // of the weights that produced its tokens. Log-probs ("logprobs") are the behaviour log-probs:
 // log-softmax(logits / temperature) (temperature 1 when greedy), before top-k/top-p/min-p
 // truncation; top_logprobs lists only the sampled token.
+//
+// HTTP limits: headers over 64 KiB get 431, a body over max_request_bytes 413 (chunked ones too),
+// a compressed body (Content-Encoding) 415, a JSON body nested deeper than 64 levels 400.
+// A client that goes away mid-generation has its request aborted, streamed or not.
 //
 // Loads the model, binds, prints "troupe serve: listening on http://HOST:PORT" on stdout and
 // serves until SIGINT or SIGTERM, then fails in-flight requests, stops, and returns 0.

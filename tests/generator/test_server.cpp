@@ -3,15 +3,20 @@
 // through vLLM 0.33.0's routes (weight-transfer protocol with the disk backend, and the disk reload).
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -36,6 +41,7 @@ namespace {
 constexpr const char* kApiKey = "test-key-123";
 constexpr const char* kModelName = "smollm2";
 constexpr int kMaxSeqLen = 512;
+constexpr int kRequestTimeout = 3;  // seconds for a request to arrive (slow clients)
 
 // Runs `troupe ARGS` and returns its stdout (stderr passes through).
 std::string run_troupe(const std::string& args) {
@@ -50,7 +56,7 @@ ServerProcess& server() {
   static ServerProcess s({"--model", smollm2_gguf().string(), "--port", "0", "--api-key", kApiKey,
                           "--served-model-name", kModelName, "--max-batch", "8", "--max-seq-len",
                           std::to_string(kMaxSeqLen), "--max-n", "8", "--max-tokens", "64", "--max-request-bytes",
-                          "65536", "--seed", "1"});
+                          "65536", "--seed", "1", "--request-timeout", std::to_string(kRequestTimeout)});
   return s;
 }
 
@@ -659,6 +665,180 @@ TEST_CASE("vLLM's disk reload, /collective_rpc reload_weights: the original tens
   CHECK(restored["choices"][0]["troupe"]["min_version"] == 8);
   CHECK(restored["choices"][0]["troupe"]["max_version"] == 8);
   fs::remove_all(u.work);
+}
+
+// ---------------------------------------------------------------------------------------
+// Hostile clients over raw sockets (tests/generator/serve_abuse.py sends many more).
+
+namespace {
+
+int connect_raw() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(server().port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  timeval tv{.tv_sec = 20, .tv_usec = 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+void send_all(int fd, const std::string& data) {
+  for (size_t at = 0; at < data.size();) {
+    const ssize_t n = send(fd, data.data() + at, data.size() - at, MSG_NOSIGNAL);
+    if (n <= 0) return;  // the server may answer and close before reading it all
+    at += static_cast<size_t>(n);
+  }
+}
+
+// What the server sends until it closes the connection (or 20 s pass).
+std::string read_to_end(int fd) {
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+  return out;
+}
+
+// The status and JSON body of one raw answer (0 when there is none).
+Reply parse_raw(const std::string& answer) {
+  if (answer.rfind("HTTP/1.1 ", 0) != 0) return {};
+  const size_t body = answer.find("\r\n\r\n");
+  return {std::stoi(answer.substr(9, 3)), json::parse(answer.substr(body == std::string::npos ? answer.size() : body + 4), nullptr, false)};
+}
+
+Reply raw_exchange(const std::string& request) {
+  const int fd = connect_raw();
+  send_all(fd, request);
+  std::string answer = read_to_end(fd);
+  close(fd);
+  return parse_raw(answer);
+}
+
+// One sample of /metrics, by the text that ends its labels (`finished_reason="abort"}`).
+double metric(const std::string& name, const std::string& labels_end = "}") {
+  auto res = client()->Get("/metrics");
+  REQUIRE(res);
+  std::istringstream lines(res->body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(name + "{", 0) != 0) continue;
+    const size_t space = line.rfind(' ');
+    if (line.compare(space - labels_end.size(), labels_end.size(), labels_end) == 0) return std::stod(line.substr(space + 1));
+  }
+  FAIL("no sample " << name << " ..." << labels_end);
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("slow clients are cut off with 408 after --request-timeout, and others are served meanwhile") {
+  // More than httplib's old pool of 64 threads, which clients sending a byte a second held for ever.
+  constexpr int kSlow = 70;
+  std::vector<int> fds;
+  for (int i = 0; i < kSlow; ++i) {
+    fds.push_back(connect_raw());
+    send_all(fds.back(), "POST /v1/completions HTTP/1.1\r\nHost: x\r\n");
+  }
+  std::atomic<bool> dripping{true};
+  std::thread drip([&] {
+    for (int i = 0; i < 40 && dripping; ++i) {
+      for (int fd : fds) send(fd, "X", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
+  });
+  const auto start = std::chrono::steady_clock::now();
+  auto c = client();
+  c->set_read_timeout(5, 0);
+  auto health = c->Get("/health");
+  auto answer = c->Post("/v1/completions", R"({"prompt": "hi", "max_tokens": 2})", "application/json");
+  CHECK_MESSAGE(health, "no answer to /health within 5 s while slow clients hold connections");
+  CHECK_MESSAGE(answer, "no answer to a completion within 5 s while slow clients hold connections");
+  if (health) CHECK(health->status == 200);
+  if (answer) CHECK(answer->status == 200);
+  int timed_out = 0;
+  for (int fd : fds) {
+    Reply r = parse_raw(read_to_end(fd));
+    if (r.status == 408) {
+      ++timed_out;
+      CHECK(r.body["error"]["message"].get<std::string>().find("--request-timeout") != std::string::npos);
+    }
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  dripping = false;
+  drip.join();
+  for (int fd : fds) close(fd);
+  CHECK(timed_out == kSlow);
+  CHECK(took < kRequestTimeout + 5);
+}
+
+TEST_CASE("a burst of 300 connections is accepted at once, past httplib's listen backlog of 5") {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<int> fds;
+  for (int i = 0; i < 300; ++i) fds.push_back(connect_raw());  // a dropped SYN waits a second before it retries
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  CHECK(get("/health", false).status == 200);
+  for (int fd : fds) close(fd);
+  MESSAGE("300 connections in " << took << " s");
+  CHECK(took < 3);
+}
+
+TEST_CASE("bodies past the limits: chunked over --max-request-bytes 413, compressed 415, nested too deep 400") {
+  std::string chunked = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kApiKey) +
+                        "\r\nTransfer-Encoding: chunked\r\n\r\n";
+  for (int i = 0; i < 5; ++i) chunked += "4000\r\n" + std::string(0x4000, ' ') + "\r\n";  // 80 KiB of 64 allowed
+  Reply r = raw_exchange(chunked + "0\r\n\r\n");
+  CHECK(r.status == 413);
+  check_error_body(r, 413);
+
+  r = raw_exchange("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nContent-Length: 4\r\n\r\nabcd");
+  CHECK(r.status == 415);
+  check_error_body(r, 415);
+
+  const std::string deep = R"({"prompt": "hi", "user": )" + std::string(65, '[') + std::string(65, ']') + "}";
+  auto nested = post_raw("/v1/completions", deep);
+  CHECK(nested.status == 400);
+  check_error_body(nested, 400);
+  CHECK(nested.body["error"]["message"].get<std::string>().find("64 levels") != std::string::npos);
+
+  // Without Content-Length or chunked encoding a request has no body: answered at once, not when the client gives up.
+  const auto start = std::chrono::steady_clock::now();
+  r = raw_exchange("POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kApiKey) +
+                   "\r\nConnection: close\r\n\r\n");
+  CHECK(r.status == 400);
+  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 2);
+  CHECK(ok("/v1/completions", {{"prompt", "hi"}, {"max_tokens", 2}})["choices"].size() == 1);
+}
+
+TEST_CASE("a client that closes its connection before a non-streamed answer has its request aborted") {
+  const double aborted = metric("vllm:request_success_total", "finished_reason=\"abort\"}");
+  CHECK(ok("/pause?mode=keep", json::object()) == json{{"status", "paused"}});
+  const int fd = connect_raw();
+  const std::string body = R"({"prompt": "hi", "max_tokens": 8, "n": 2})";
+  send_all(fd, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + std::string(kApiKey) +
+                   "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
+  for (int i = 0; i < 100 && metric("vllm:num_requests_waiting") < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  close(fd);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the server looks every 100 ms
+  CHECK(ok("/resume", json::object()) == json{{"status", "resumed"}});
+  double now = aborted;
+  for (int i = 0; i < 100 && now < aborted + 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    now = metric("vllm:request_success_total", "finished_reason=\"abort\"}");
+  }
+  CHECK(now == aborted + 2);  // both samples, none decoded for nobody
+  CHECK(metric("vllm:num_requests_running") == 0);
+}
+
+TEST_CASE("a second troupe serve on the same port fails, naming the port (no SO_REUSEPORT)") {
+  const std::string port = std::to_string(server().port);
+  auto r = troupe::test::run_command("timeout 120 " + shell_quote(env_dir("TROUPE_BIN").string()) + " serve --model " +
+                                     shell_quote(smollm2_gguf().string()) + " --port " + port + " 2>&1");
+  MESSAGE(r.out);
+  CHECK(r.status != 0);
+  CHECK(r.out.find("127.0.0.1:" + port) != std::string::npos);
+  CHECK(r.out.find("Address already in use") != std::string::npos);
+  CHECK(get("/health", false).status == 200);  // the first one still holds it
 }
 
 TEST_CASE("SIGTERM stops the server cleanly with exit code 0") {
