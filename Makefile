@@ -6,7 +6,7 @@ JOBS ?= 2
 PY := .venv/bin/python
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: all setup configure build test demo bench clean
+.PHONY: all setup configure build test demo bench fuzz clean
 
 all: build
 
@@ -71,6 +71,14 @@ bench: build
 	$(PY) bench/sft_parallel.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_sft --model $(MODEL) --work $(BUILD)/bench_models/smollm2 --sharding zero3
 	$(PY) bench/cluster_processes.py --troupe $(BUILD)/troupe --config configs/tiny_arithmetic_grpo.yaml --steps 60
 	$(PY) bench/async_overlap.py --troupe $(BUILD)/troupe --config configs/demo.yaml --steps 20 --set trainer.batch_groups=1 generator.group_size=6 generator.max_tokens=192 generator.max_seq_len=256
+
+# Every parser's libFuzzer harness (tests/fuzz/: clang with ASan and UBSan, built in $(BUILD)/fuzz)
+# for FUZZ_SECONDS each, seeded from the test fixtures (made first) after replaying its reproducers
+# in tests/fuzz/regressions/. `make test` runs each for 5 s; scripts/fuzz.sh HARNESS runs one.
+FUZZ_SECONDS ?= 600
+fuzz: configure
+	@cd $(BUILD) && ctest --output-on-failure -R '^fixture_(safetensors|gguf|tokenizer|sft|hf_models|arithmetic)$$'
+	FUZZ_BUILD=$(abspath $(BUILD))/fuzz FUZZ_FIXTURES=$(abspath $(BUILD))/fixtures FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -169,7 +169,8 @@ Map::Map(const Source& s, std::string path, const YAML::Node& node, YAML::Mark a
   if (!node.IsDefined() || node.IsNull()) return;
   if (!node.IsMap()) s.fail(path_.empty() ? "(top level)" : path_, mark_, "expected a map of keys, got " + describe(node));
   for (auto it = node.begin(); it != node.end(); ++it) {
-    const YAML::Node& k = it->first;
+    // A copy (a handle): yaml-cpp's it->first lives in a proxy that dies with the statement.
+    const YAML::Node k = it->first;
     if (!k.IsScalar()) s.fail(path_.empty() ? "(top level)" : path_, k.Mark(), "keys must be plain names, got " + describe(k));
     for (const auto& e : entries_)
       if (e.key == k.Scalar())

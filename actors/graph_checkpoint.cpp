@@ -21,38 +21,6 @@ int64_t outstanding_end(const GraphSpec& spec, int64_t step) {
   return std::min(spec.steps, step + spec.max_staleness - spec.sync_every + 1);
 }
 
-// Rollout groups as msgpack (doubles hold floats exactly).
-nlohmann::json to_json(const RolloutGroup& g) {
-  return {{"prompt_id", g.prompt_id}, {"batch", g.batch}, {"prompt_ids", g.prompt_ids},
-          {"completion_ids", g.completion_ids}, {"behaviour_logprobs", g.behaviour_logprobs},
-          {"reference_logprobs", g.reference_logprobs}, {"min_version", g.min_version},
-          {"max_version", g.max_version}, {"truncated", g.truncated}, {"rewards", g.rewards},
-          {"reward", g.reward}, {"metadata", g.metadata}, {"ticket", g.ticket}, {"error", g.error},
-          {"generate_s", g.generate_s}};
-}
-
-RolloutGroup group_from_json(const nlohmann::json& j) {
-  RolloutGroup g;
-  j.at("prompt_id").get_to(g.prompt_id);
-  j.at("batch").get_to(g.batch);
-  j.at("prompt_ids").get_to(g.prompt_ids);
-  j.at("completion_ids").get_to(g.completion_ids);
-  j.at("behaviour_logprobs").get_to(g.behaviour_logprobs);
-  j.at("reference_logprobs").get_to(g.reference_logprobs);
-  j.at("min_version").get_to(g.min_version);
-  j.at("max_version").get_to(g.max_version);
-  j.at("truncated").get_to(g.truncated);
-  j.at("rewards").get_to(g.rewards);
-  j.at("reward").get_to(g.reward);
-  j.at("metadata").get_to(g.metadata);
-  j.at("ticket").get_to(g.ticket);
-  j.at("error").get_to(g.error);
-  g.generate_s = j.value("generate_s", 0.0);  // checkpoints of older builds have none
-  if (g.behaviour_logprobs.size() != g.completion_ids.size() || g.min_version.size() != g.completion_ids.size())
-    throw Error("a rollout group's per-completion fields disagree in length");
-  return g;
-}
-
 std::filesystem::path checkpoint_dir(const GraphSpec& spec, int64_t step) {
   return spec.run_dir / "checkpoints" / ("step_" + std::to_string(step));
 }
@@ -141,9 +109,7 @@ void PendingCheckpoints::finish_complete() {
   std::erase_if(pending_, [&](Pending& c) {
     if (static_cast<int64_t>(c.groups.size()) < (c.end - c.begin) * spec_.batch_groups) return false;
     std::sort(c.groups.begin(), c.groups.end(), [](const auto& a, const auto& b) { return a.ticket < b.ticket; });
-    nlohmann::json groups = nlohmann::json::array();
-    for (const auto& g : c.groups) groups.push_back(to_json(g));
-    auto bytes = nlohmann::json::to_msgpack(groups);
+    auto bytes = rollouts_to_msgpack(c.groups);
     std::ofstream(c.dir / "rollouts.msgpack", std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     write_trainer_state(c.dir, {.recipe = spec_.recipe, .model = spec_.model_source.string(), .step = c.step,
                                 .policy_version = c.policy_version, .rollout_batches = std::pair{c.begin, c.end},
@@ -168,17 +134,11 @@ GraphResume read_graph_checkpoint(const std::filesystem::path& dir) {
   std::ifstream in(rollouts, std::ios::binary);
   if (!in) throw Error(rollouts.string() + ": cannot open the checkpoint's buffered rollouts");
   std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto groups = nlohmann::json::from_msgpack(bytes, true, false);
-  if (groups.is_discarded() || !groups.is_array()) throw Error(rollouts.string() + ": not a msgpack array of rollout groups");
-  for (size_t i = 0; i < groups.size(); ++i) {
-    try {
-      r.groups.push_back(group_from_json(groups[i]));
-    } catch (const std::exception& e) {
-      throw Error(rollouts.string() + ": group " + std::to_string(i) + ": " + e.what());
-    }
-    if (r.groups.back().batch < r.step || r.groups.back().batch >= r.first_new_batch)
+  r.groups = rollouts_from_msgpack(bytes, rollouts.string());
+  for (size_t i = 0; i < r.groups.size(); ++i) {
+    if (r.groups[i].batch < r.step || r.groups[i].batch >= r.first_new_batch)
       throw Error(rollouts.string() + ": group " + std::to_string(i) + " belongs to batch " +
-                  std::to_string(r.groups.back().batch) + ", outside the checkpoint's rollout_batches");
+                  std::to_string(r.groups[i].batch) + ", outside the checkpoint's rollout_batches");
   }
   return r;
 }

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "actors/rollout_io.hpp"
 #include "trainer/rollout.hpp"
 
 namespace troupe {
@@ -23,9 +24,6 @@ class RlRecipe;
 // Batches released before step `step` reported and not trained by then: [step, end). With
 // sync_every k the controller keeps eta - k + 2 batches out (see the credits there).
 int64_t outstanding_end(const GraphSpec& spec, int64_t step);
-
-nlohmann::json to_json(const RolloutGroup& g);
-RolloutGroup group_from_json(const nlohmann::json& j);  // throws on a missing or inconsistent field
 
 // runs/NAME/checkpoints/step_N
 std::filesystem::path checkpoint_dir(const GraphSpec& spec, int64_t step);

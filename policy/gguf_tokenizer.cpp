@@ -37,12 +37,50 @@ json pre_tokenizer(const File& file, const std::string& pre) {
               "' is not supported (supported: smollm, qwen2, llama-bpe)");
 }
 
+// Well-formed UTF-8 (no overlongs, surrogates or code points above U+10FFFF), as JSON text requires.
+bool valid_utf8(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t n = 0;
+    unsigned lo = 0x80, hi = 0xBF;  // the allowed range of the first continuation byte
+    if (c < 0x80) {
+      n = 0;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      n = 1;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      n = 2;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      n = 3;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    } else {
+      return false;
+    }
+    if (s.size() - i <= n) return false;
+    for (size_t k = 1; k <= n; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if (d < (k == 1 ? lo : 0x80u) || d > (k == 1 ? hi : 0xBFu)) return false;
+    }
+    i += n + 1;
+  }
+  return true;
+}
+
+// GGUF strings are raw bytes; the JSON files written here can hold only valid UTF-8.
+const std::string& utf8(const File& file, const std::string& s, const std::string& what) {
+  if (!valid_utf8(s))
+    throw Error(file.path().string() + ": " + what + " is not valid UTF-8, which tokenizer.json cannot hold");
+  return s;
+}
+
 std::optional<std::string> token_of(const File& file, const std::vector<std::string>& tokens, const char* key) {
   if (!file.has(key)) return std::nullopt;
   uint64_t id = file.get_uint(key);
   if (id >= tokens.size())
     throw Error(file.path().string() + ": " + key + " = " + std::to_string(id) + " is outside the vocabulary");
-  return tokens[id];
+  return utf8(file, tokens[id], std::string(key) + "'s token");
 }
 
 }  // namespace
@@ -59,8 +97,9 @@ json hf_tokenizer_json(const File& file) {
 
   json vocab = json::object();
   json added = json::array();
+  for (size_t i = 0; i < merges.size(); ++i) utf8(file, merges[i], "tokenizer.ggml.merges[" + std::to_string(i) + "]");
   for (size_t id = 0; id < tokens.size(); ++id) {
-    vocab[tokens[id]] = id;
+    vocab[utf8(file, tokens[id], "tokenizer.ggml.tokens[" + std::to_string(id) + "]")] = id;
     int64_t type = id < types.size() ? types[id] : 1;
     if (type == kControl || type == kUserDefined) {
       added.push_back({{"id", id}, {"content", tokens[id]}, {"single_word", false}, {"lstrip", false},
@@ -91,7 +130,8 @@ json hf_tokenizer_config(const File& file) {
   if (auto t = token_of(file, tokens, "tokenizer.ggml.eos_token_id")) config["eos_token"] = *t;
   if (auto t = token_of(file, tokens, "tokenizer.ggml.padding_token_id")) config["pad_token"] = *t;
   if (auto t = token_of(file, tokens, "tokenizer.ggml.unknown_token_id")) config["unk_token"] = *t;
-  if (file.has("tokenizer.chat_template")) config["chat_template"] = file.get_string("tokenizer.chat_template");
+  if (file.has("tokenizer.chat_template"))
+    config["chat_template"] = utf8(file, file.get_string("tokenizer.chat_template"), "tokenizer.chat_template");
   return config;
 }
 

@@ -89,6 +89,17 @@ std::optional<size_t> byte_size(const std::vector<int64_t>& shape, size_t elem_s
   return n;
 }
 
+// A header value for a message: short flat values as JSON, anything else by its type and size.
+// (dump() recurses once per level of nesting: a header of 100k '[' would overflow the stack.)
+std::string brief(const json& j) {
+  const bool flat = !j.is_structured() || (j.size() <= 8 && std::all_of(j.begin(), j.end(), [](const json& x) {
+                                             return x.is_primitive();
+                                           }));
+  if (!flat) return std::string(j.is_array() ? "an array" : "an object") + " of " + std::to_string(j.size());
+  std::string s = j.dump();
+  return s.size() <= 80 ? s : s.substr(0, 77) + "...";
+}
+
 // A non-negative JSON integer that fits in int64 (so it is also a valid shape dim or offset).
 std::optional<uint64_t> as_count(const json& j) {
   if (j.is_number_unsigned() && j.get<uint64_t>() <= uint64_t(INT64_MAX)) return j.get<uint64_t>();
@@ -282,9 +293,9 @@ std::shared_ptr<const File> File::open(const fs::path& path) {
     std::vector<int64_t> shape;
     for (const json& d : shape_j) {
       if (d.is_number_integer() && !d.is_number_unsigned())
-        throw error(path, where + " has a negative dimension (" + d.dump() + ") in its shape " + shape_j.dump());
+        throw error(path, where + " has a negative dimension (" + brief(d) + ") in its shape " + brief(shape_j));
       auto n = as_count(d);
-      if (!n) throw error(path, where + ": shape " + shape_j.dump() + " must hold non-negative integers");
+      if (!n) throw error(path, where + ": shape " + brief(shape_j) + " must hold non-negative integers");
       shape.push_back(static_cast<int64_t>(*n));
     }
 
@@ -296,18 +307,18 @@ std::shared_ptr<const File> File::open(const fs::path& path) {
     }
     if (!begin || !end)
       throw error(
-          path, where + ": \"data_offsets\" must be [begin, end] with non-negative integers, not " + offsets_j.dump());
+          path, where + ": \"data_offsets\" must be [begin, end] with non-negative integers, not " + brief(offsets_j));
     if (*begin > *end)
-      throw error(path, where + " has data_offsets " + offsets_j.dump() + " that end before they begin");
+      throw error(path, where + " has data_offsets " + brief(offsets_j) + " that end before they begin");
     if (*end > data_size)
-      throw error(path, where + " has data_offsets " + offsets_j.dump() + " past the end of the data section (" +
+      throw error(path, where + " has data_offsets " + brief(offsets_j) + " past the end of the data section (" +
                             std::to_string(data_size) + " bytes; truncated?)");
 
     auto expected = byte_size(shape, info(*dtype).size);
-    if (!expected) throw error(path, where + " has shape " + shape_j.dump() + " whose byte size overflows");
+    if (!expected) throw error(path, where + " has shape " + brief(shape_j) + " whose byte size overflows");
     const size_t nbytes = *end - *begin;
     if (nbytes != *expected)
-      throw error(path, where + " holds " + std::to_string(nbytes) + " bytes but shape " + shape_j.dump() + " of " +
+      throw error(path, where + " holds " + std::to_string(nbytes) + " bytes but shape " + brief(shape_j) + " of " +
                             std::string(dtype_name(*dtype)) + " needs " + std::to_string(*expected) +
                             " (size mismatch)");
 

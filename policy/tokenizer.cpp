@@ -1007,8 +1007,8 @@ void add_merges(Bpe& bpe, const std::vector<std::pair<std::string, std::string>>
 void parse_model(const JsonFields& f, const json& model, Bpe& bpe) {
   if (!model.is_object()) f.fail("model must be an object");
   if (const json* type = f.find(model, "type"); type && *type != "BPE")
-    f.fail("model type '" + (type->is_string() ? type->get<std::string>() : type->dump()) +
-           "' is not supported (only BPE)");
+    f.fail(type->is_string() ? "model type '" + type->get<std::string>() + "' is not supported (only BPE)"
+                             : std::string("model.type must be a string, got ") + type->type_name());
   const json& vocab = f.need(model, "model", "vocab");
   if (!vocab.is_object()) f.fail("model.vocab must be an object of token: id");
   for (const auto& [token, id] : vocab.items()) {

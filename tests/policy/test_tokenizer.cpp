@@ -13,6 +13,7 @@
 #include "policy/chat_template.hpp"
 #include "policy/error.hpp"
 #include "policy/gguf.hpp"
+#include "policy/gguf_tokenizer.hpp"
 #include "policy/tokenizer.hpp"
 #include "tests/test_util.hpp"
 
@@ -298,4 +299,24 @@ TEST_CASE("bad GGUF tokenizers give an error naming the file and the field") {
   expect(dir / "bad_pre.gguf", "tokenizer.ggml.pre 'deepseek-llm' is not supported");
   expect(dir / "bad_model.gguf", "tokenizer.ggml.model 'llama' is not supported");
   expect(dir / "bad_merge.gguf", "tokenizer.ggml.merges[0] 'a c': token 'c' is not in the vocabulary");
+}
+
+// Found by tests/fuzz/: GGUF strings are raw bytes, so the tokenizer keeps such a token, but the
+// tokenizer.json that troupe convert writes cannot hold it (nlohmann threw type_error 316 unnamed).
+TEST_CASE("a GGUF token that is not UTF-8 loads, and converting it to tokenizer.json names the token") {
+  const fs::path path = troupe::test::source() / "tests/fuzz/regressions/gguf_tokenizer/token_not_utf8.gguf";
+  const auto file = troupe::gguf::File::open(path);
+  CHECK(Tokenizer::from_gguf(*file).vocab_size() == 2);
+  const std::string message = error_of([&] { troupe::gguf::hf_tokenizer_json(*file); });
+  CAPTURE(message);
+  CHECK(message.find(path.string() + ": tokenizer.ggml.tokens[1] is not valid UTF-8") != std::string::npos);
+}
+
+// Found by tests/fuzz/: the message for a model.type that is not a string quoted it with dump(), which
+// recurses once per level of nesting, so a type nested 16k deep overflowed the stack.
+TEST_CASE("a model type that is not a string is an error, however deeply it nests") {
+  const fs::path path = troupe::test::source() / "tests/fuzz/regressions/tokenizer_json/deep_model_type.json";
+  const std::string message = error_of([&] { Tokenizer::load(path); });
+  CAPTURE(message);
+  CHECK(message.find(path.string() + ": model.type must be a string, got array") != std::string::npos);
 }

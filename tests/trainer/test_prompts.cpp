@@ -221,3 +221,14 @@ TEST_CASE("bad input: errors name file:line and the field") {
   CHECK(s.prompts()[1].metadata["answer"] == 5);
   CHECK(s.prompts()[2].id == 2);
 }
+
+// Found by tests/fuzz/ (regressions/prompts/deep_metadata.jsonl): a record nested 16k deep loaded,
+// and troupe run then overflowed the stack writing it out as the prompt's metadata (dump() recurses).
+TEST_CASE("a record nested far deeper than any dataset is an error naming the line") {
+  const fs::path path = test::source() / "tests/fuzz/regressions/prompts/deep_metadata.jsonl";
+  CHECK_THROWS_WITH_AS(PromptSource(path, qwen3()), doctest::Contains((path.string() + ":1: JSON nested 16385 levels deep").c_str()),
+                       Error);
+  const std::string nested = std::string(63, '[') + std::string(63, ']');  // 64 levels with the record
+  PromptSource ok(write_file("nested_64.jsonl", R"({"question": "q", "answer": "1", "x": )" + nested + "}\n"), qwen3());
+  CHECK(ok.prompts()[0].metadata.dump().size() > 128);
+}
