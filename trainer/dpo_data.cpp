@@ -27,13 +27,7 @@ std::vector<Pair> read_jsonl(const std::filesystem::path& path, const Tokenizer&
   std::optional<ChatTemplate> chat;
   std::optional<int32_t> eos;
   if (o.chat) {
-    if (o.chat_template) {
-      chat = o.chat_template;
-    } else {
-      if (!tokenizer.chat_template())
-        throw Error(file + ": chat rendering was asked for but the tokenizer has no chat template (turn chat off)");
-      chat = ChatTemplate::detect(*tokenizer.chat_template(), "the tokenizer's chat template");
-    }
+    chat = sft::chat_template_for(tokenizer, o.chat_template, file);
   } else if (o.append_eos) {
     eos = o.eos_id ? o.eos_id : tokenizer.eos_id();
     if (!eos) throw Error(file + ": append_eos is set but the tokenizer has no eos token (turn append_eos off)");

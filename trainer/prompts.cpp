@@ -8,6 +8,7 @@
 
 #include "policy/error.hpp"
 #include "policy/seed.hpp"
+#include "trainer/sft_data.hpp"
 
 namespace troupe {
 namespace {
@@ -56,13 +57,7 @@ PromptSource::PromptSource(const std::filesystem::path& path, const Tokenizer& t
   if (options_.prompt_field.empty()) throw Error(file + ": the prompt field name is empty");
   std::optional<ChatTemplate> chat;
   if (options_.chat) {
-    if (options_.chat_template) {
-      chat = options_.chat_template;
-    } else {
-      if (!tokenizer.chat_template())
-        throw Error(file + ": chat rendering was asked for but the tokenizer has no chat template (turn chat off)");
-      chat = ChatTemplate::detect(*tokenizer.chat_template(), "the tokenizer's chat template");
-    }
+    chat = sft::chat_template_for(tokenizer, options_.chat_template, file);
   }
 
   std::ifstream in(path);

@@ -112,6 +112,14 @@ Sequence encode_plain(const std::string& prompt, const std::string& response, co
   return s;
 }
 
+ChatTemplate chat_template_for(const Tokenizer& tokenizer, const std::optional<ChatTemplate>& configured,
+                               const std::string& file) {
+  if (configured) return *configured;
+  if (!tokenizer.chat_template())
+    throw Error(file + ": chat rendering was asked for but the tokenizer has no chat template (turn chat off)");
+  return ChatTemplate::detect(*tokenizer.chat_template(), "the tokenizer's chat template");
+}
+
 std::vector<Sequence> read_jsonl(const std::filesystem::path& path, const Tokenizer& tokenizer,
                                  const DataOptions& o, ReadReport* report_out) {
   const std::string file = path.string();
@@ -120,13 +128,7 @@ std::vector<Sequence> read_jsonl(const std::filesystem::path& path, const Tokeni
     throw Error(file + ": set both prompt_field and response_field for instruction records, or neither for chat records");
   std::optional<ChatTemplate> chat;
   if (o.chat) {
-    if (o.chat_template) {
-      chat = o.chat_template;
-    } else {
-      if (!tokenizer.chat_template())
-        throw Error(file + ": chat rendering was asked for but the tokenizer has no chat template (turn chat off)");
-      chat = ChatTemplate::detect(*tokenizer.chat_template(), "the tokenizer's chat template");
-    }
+    chat = chat_template_for(tokenizer, o.chat_template, file);
   } else if (!pairs) {
     throw Error(file + ": chat records (field '" + o.messages_field + "') need the chat template (turn chat on)");
   }

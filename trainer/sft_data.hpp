@@ -74,4 +74,9 @@ Sequence encode_plain(const std::string& prompt, const std::string& response, co
 std::vector<Sequence> read_jsonl(const std::filesystem::path& path, const Tokenizer& tokenizer,
                                  const DataOptions& options = {}, ReadReport* report = nullptr);
 
+// The chat template records of `file` render with: `configured` when set, else the tokenizer's
+// own; an Error naming `file` when the tokenizer has none.
+ChatTemplate chat_template_for(const Tokenizer& tokenizer, const std::optional<ChatTemplate>& configured,
+                               const std::string& file);
+
 }  // namespace troupe::sft
