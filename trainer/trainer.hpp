@@ -17,24 +17,14 @@
 #include "policy/transformer.hpp"
 #include "trainer/dpo.hpp"
 #include "trainer/grpo.hpp"
+#include "trainer/optimizer.hpp"
 #include "trainer/rollout.hpp"
 #include "trainer/sft.hpp"
-
-namespace torch::optim { class AdamW; }
 
 namespace troupe {
 
 class DataParallel;  // trainer/data_parallel.hpp
 
-struct OptimizerConfig {
-  double lr = 1e-6;
-  double weight_decay = 0.0;
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
-  int64_t warmup_steps = 0;     // linear warmup from 0
-  int64_t total_steps = 0;      // cosine decay to min_lr_ratio x lr by then; 0 keeps lr constant
-  double min_lr_ratio = 0.0;
-  double max_grad_norm = 1.0;   // 0 disables clipping
-};
 
 struct TrainerConfig {
   OptimizerConfig optimizer;
@@ -63,21 +53,6 @@ struct TrainerConfig {
   // greedy), which their behaviour log-probs are of, so pi / mu compares like with like.
   double temperature = 1.0;
 };
-
-// AdamW over `params` with the config's hyperparameters, and the learning rate at optimizer
-// step `step`: linear warmup, then cosine down to min_lr_ratio x lr at total_steps. Shared by
-// Trainer and PpoTrainer.
-std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<torch::Tensor>& params, const OptimizerConfig& config);
-double scheduled_lr(const OptimizerConfig& config, int64_t step);
-
-// An AdamW state (moments and step counts of `params`) and a version, with torch::serialize;
-// what Trainer::save_state and PpoTrainer::save_state write. load_optimizer_state returns the
-// version and throws Error naming the file when it is not such a file or was saved for another
-// parameter list (count or shapes); `config`'s hyperparameters stay in force.
-void save_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW& optimizer,
-                          const std::vector<torch::Tensor>& params, int64_t version);
-int64_t load_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW& optimizer,
-                             const std::vector<torch::Tensor>& params, const OptimizerConfig& config);
 
 // What a GRPO step reports about the behaviour weights pi_prox / mu (trainer.loss.correction)
 // over its counted tokens.
