@@ -107,6 +107,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
     b.offsets.push_back(b.numel);
     b.numel += named[i].second.numel();
     params_.push_back(named[i].second);
+    trainer_index_.push_back(i);
     names_.push_back(named[i].first);
     shapes_.push_back(named[i].second.sizes().vec());
   }
@@ -126,7 +127,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group, Sharding mode,
     }
   }
   if (mode_ == Sharding::none) {
-    optimizer_ = make_adamw(params_, config_);
+    replicated_ = std::make_unique<Optimizer>(original_, config_);
   } else {
     torch::NoGradGuard no_grad;
     for (auto& b : blocks_) {
@@ -151,14 +152,13 @@ torch::Tensor DataParallel::flatten(const Block& b, bool grads) const {
 }
 
 double DataParallel::step(double lr) {
-  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  double norm = mode_ == Sharding::none ? step_replicated() : step_sharded();
+  double norm = mode_ == Sharding::none ? step_replicated(lr) : step_sharded(lr);
   for (auto& p : params_) p.mutable_grad().reset();
   for (auto& m : masters_) m.mutable_grad().reset();
   return norm;
 }
 
-double DataParallel::step_replicated() {
+double DataParallel::step_replicated(double lr) {
   torch::NoGradGuard no_grad;
   for (auto& b : blocks_) {
     auto flat = flatten(b, /*grads=*/true);
@@ -168,21 +168,13 @@ double DataParallel::step_replicated() {
       p.mutable_grad() = flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).to(p.dtype()).clone();
     }
   }
-  // Every rank now holds the global gradient: the one-rank trainer's clip and step, in the
+  // Every rank now holds the global gradient: the one-rank trainer's clip and step, over the
   // trainer's parameter order (so that one rank through this path is bit for bit the same).
-  double norm = 0;
-  if (config_.max_grad_norm > 0) {
-    norm = torch::nn::utils::clip_grad_norm_(original_, config_.max_grad_norm);
-  } else {
-    for (const auto& p : original_)
-      if (p.grad().defined()) norm += p.grad().pow(2).sum().item<double>();
-    norm = std::sqrt(norm);
-  }
-  optimizer_->step();
-  return norm;
+  return replicated_->step(lr);
 }
 
-double DataParallel::step_sharded() {
+double DataParallel::step_sharded(double lr) {
+  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   torch::NoGradGuard no_grad;
   drop_prefetch();  // gathered from the masters this step changes
   const int64_t W = group_->size(), r = group_->rank();
@@ -249,7 +241,11 @@ MemoryBytes DataParallel::memory() const {
   }
   if (mode_ == Sharding::none) {
     m.grads = m.params;
-    m.optimizer = 2 * m.params;  // exp_avg and exp_avg_sq, in the parameters' dtype
+    // exp_avg and exp_avg_sq in float32, and float32 masters of bf16 and fp16 parameters
+    for (size_t k = 0; k < params_.size(); ++k) {
+      const int64_t n = params_[k].numel();
+      m.optimizer += (params_[k].element_size() < 4 ? 3 : 2) * n * std::max<int64_t>(4, params_[k].element_size());
+    }
   } else {
     int64_t shard = 0;
     for (const auto& b : blocks_) shard += b.padded / W;
@@ -391,18 +387,18 @@ void DataParallel::save_state(const std::filesystem::path& dir, int64_t version)
     const int64_t n = b.padded / W;
     torch::Tensor master, avg, avg_sq;
     if (mode_ == Sharding::none) {
-      const auto w = wide_of(params_[b.members[0]]);
-      auto full_avg = torch::zeros({b.padded}, w), full_sq = torch::zeros({b.padded}, w);
+      auto full_master = torch::zeros({b.padded}, torch::kFloat32), full_avg = torch::zeros({b.padded}, torch::kFloat32),
+           full_sq = torch::zeros({b.padded}, torch::kFloat32);
       for (size_t k = 0; k < b.members.size(); ++k) {
-        const auto& p = params_[b.members[k]];
-        auto it = optimizer_->state().find(p.unsafeGetTensorImpl());
-        if (it == optimizer_->state().end()) continue;
-        auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
-        full_avg.narrow(0, b.offsets[k], p.numel()).copy_(s.exp_avg().reshape({-1}));
-        full_sq.narrow(0, b.offsets[k], p.numel()).copy_(s.exp_avg_sq().reshape({-1}));
+        const size_t t = trainer_index_[b.members[k]];
+        const int64_t numel = params_[b.members[k]].numel();
+        auto& s = replicated_->state(t);
+        full_master.narrow(0, b.offsets[k], numel).copy_(replicated_->master(t).detach().reshape({-1}));
+        full_avg.narrow(0, b.offsets[k], numel).copy_(s.exp_avg().reshape({-1}));
+        full_sq.narrow(0, b.offsets[k], numel).copy_(s.exp_avg_sq().reshape({-1}));
         step = s.step();
       }
-      master = flatten(b, false).narrow(0, r * n, n).clone();
+      master = full_master.narrow(0, r * n, n).clone();
       avg = full_avg.narrow(0, r * n, n).clone();
       avg_sq = full_sq.narrow(0, r * n, n).clone();
     } else {
@@ -502,12 +498,16 @@ int64_t DataParallel::load_state(const std::filesystem::path& dir) {
     const auto& b = blocks_[i];
     auto avg = full("exp_avg", i), avg_sq = full("exp_avg_sq", i);
     if (mode_ == Sharding::none) {
+      auto master = full("master", i);
       for (size_t k = 0; k < b.members.size(); ++k) {
-        auto& p = params_[b.members[k]];
-        auto& s = adam_state(*optimizer_, p);
+        const size_t t = trainer_index_[b.members[k]];
+        const auto& p = params_[b.members[k]];
+        auto slice = [&](const torch::Tensor& flat) { return flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()); };
+        replicated_->set_master(t, slice(master));
+        auto& s = replicated_->state(t);
         s.step(step);
-        s.exp_avg(avg.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).to(p.options()).clone());
-        s.exp_avg_sq(avg_sq.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).to(p.options()).clone());
+        s.exp_avg(slice(avg).to(s.exp_avg().options()).clone());
+        s.exp_avg_sq(slice(avg_sq).to(s.exp_avg_sq().options()).clone());
       }
     } else {
       const int64_t n = b.padded / W;

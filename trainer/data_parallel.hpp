@@ -97,8 +97,8 @@ class DataParallel {
   struct Block;
 
  private:
-  double step_replicated();
-  double step_sharded();
+  double step_replicated(double lr);
+  double step_sharded(double lr);
   void gather_block(size_t b);
   void release_block(size_t b);
   void prefetch_after(int64_t layer);
@@ -113,9 +113,11 @@ class DataParallel {
   std::vector<Block> blocks_;
   std::vector<at::Tensor> params_;                 // every trained parameter, in block order
   std::vector<std::string> names_;                 // their names
+  std::vector<size_t> trainer_index_;              // [k] params_[k]'s place in original_
   std::vector<at::Tensor> original_;               // the same, in the trainer's order
   std::vector<at::Tensor> masters_;                // sharded: [block] this rank's fp32 slice
-  std::unique_ptr<torch::optim::AdamW> optimizer_;  // over params_ (none) or masters_ (zero)
+  std::unique_ptr<Optimizer> replicated_;          // none: over original_, fp32 masters of bf16 ones
+  std::unique_ptr<torch::optim::AdamW> optimizer_;  // zero: over masters_
   std::vector<std::vector<int64_t>> shapes_;       // zero3: each parameter's shape, [param]
   struct Prefetch {
     size_t block = SIZE_MAX;     // the block being gathered, if any

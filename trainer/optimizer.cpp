@@ -1,4 +1,4 @@
-// AdamW's construction, schedule and state files (see optimizer.hpp).
+// AdamW with float32 masters, its schedule and its state files (see optimizer.hpp).
 #include "trainer/optimizer.hpp"
 
 #include <cmath>
@@ -35,17 +35,18 @@ std::string shape_string(torch::IntArrayRef shape) {
 }
 }  // namespace
 
-void save_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW& optimizer,
-                          const std::vector<torch::Tensor>& params, int64_t version) {
+void Optimizer::save(const std::filesystem::path& file, int64_t version) const {
   torch::serialize::OutputArchive archive;
   archive.write("troupe/format", c10::IValue(std::string(kStateFormat)));
   archive.write("troupe/format_version", torch::tensor(kStateVersion));
   archive.write("troupe/version", torch::tensor(version));
-  archive.write("troupe/parameters", torch::tensor(static_cast<int64_t>(params.size())));
-  for (size_t i = 0; i < params.size(); ++i)
-    archive.write("troupe/shape/" + std::to_string(i), torch::tensor(params[i].sizes().vec()));
+  archive.write("troupe/parameters", torch::tensor(static_cast<int64_t>(params_.size())));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    archive.write("troupe/shape/" + std::to_string(i), torch::tensor(params_[i].sizes().vec()));
+    if (!masters_[i].is_same(params_[i])) archive.write("troupe/master/" + std::to_string(i), masters_[i].detach());
+  }
   torch::serialize::OutputArchive opt;
-  optimizer.save(opt);
+  adamw_->save(opt);
   archive.write("optimizer", opt);
   if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path());
   try {
@@ -55,8 +56,9 @@ void save_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW
   }
 }
 
-int64_t load_optimizer_state(const std::filesystem::path& file, torch::optim::AdamW& optimizer,
-                             const std::vector<torch::Tensor>& params, const OptimizerConfig& o) {
+int64_t Optimizer::load(const std::filesystem::path& file) {
+  const auto& params = params_;
+  const auto& o = config_;
   const std::string name = file.string();
   if (!std::filesystem::exists(file)) throw Error(name + ": no such optimizer state file");
   const auto device = params[0].device();
@@ -92,12 +94,103 @@ int64_t load_optimizer_state(const std::filesystem::path& file, torch::optim::Ad
   }
   torch::serialize::InputArchive opt;
   archive.read("optimizer", opt);
-  optimizer.load(opt);
+  adamw_->load(opt);
+  torch::NoGradGuard no_grad;
+  for (int64_t i = 0; i < n; ++i) {
+    if (masters_[i].is_same(params_[i])) continue;
+    torch::Tensor saved;
+    if (archive.try_read("troupe/master/" + std::to_string(i), saved)) {
+      if (saved.sizes() != params_[i].sizes() || saved.scalar_type() != torch::kFloat32)
+        throw Error(name + ": master weights " + std::to_string(i) + " are not float32 of the parameter's shape");
+      set_master(i, saved);
+    } else {
+      masters_[i].detach().copy_(params_[i].detach());
+      written_[i] = params_[i]._version();
+    }
+  }
   // The file's hyperparameters came along with the state; the config's are the ones in force.
-  for (auto& group : optimizer.param_groups())
+  for (auto& group : adamw_->param_groups())
     static_cast<torch::optim::AdamWOptions&>(group.options())
         .lr(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
   return version.item<int64_t>();
+}
+
+namespace {
+bool reduced_precision(const torch::Tensor& p) {
+  return p.scalar_type() == torch::kBFloat16 || p.scalar_type() == torch::kHalf;
+}
+}  // namespace
+
+Optimizer::Optimizer(std::vector<torch::Tensor> params, const OptimizerConfig& config)
+    : config_(config), params_(std::move(params)) {
+  torch::NoGradGuard no_grad;
+  for (const auto& p : params_) {
+    masters_.push_back(reduced_precision(p) ? p.detach().to(torch::kFloat32).requires_grad_(true) : p);
+    written_.push_back(p._version());
+  }
+  adamw_ = make_adamw(masters_, config_);
+}
+
+Optimizer::~Optimizer() = default;
+
+void Optimizer::follow_parameters() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (masters_[i].is_same(params_[i]) || params_[i]._version() == written_[i]) continue;
+    masters_[i].detach().copy_(params_[i].detach());
+    written_[i] = params_[i]._version();
+  }
+}
+
+double Optimizer::step(double lr) {
+  follow_parameters();
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!masters_[i].is_same(params_[i]) && params_[i].grad().defined()) {
+      masters_[i].mutable_grad() = params_[i].grad().to(torch::kFloat32);
+      params_[i].mutable_grad().reset();
+    }
+  double norm = 0;
+  if (config_.max_grad_norm > 0) {
+    norm = torch::nn::utils::clip_grad_norm_(masters_, config_.max_grad_norm);
+  } else {
+    for (const auto& m : masters_)
+      if (m.grad().defined()) norm += m.grad().pow(2).sum().item<double>();
+    norm = std::sqrt(norm);
+  }
+  for (auto& group : adamw_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  adamw_->step();
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    masters_[i].mutable_grad().reset();
+    if (masters_[i].is_same(params_[i])) continue;
+    params_[i].detach().copy_(masters_[i].detach());
+    written_[i] = params_[i]._version();
+  }
+  return norm;
+}
+
+torch::Tensor Optimizer::master(size_t i) {
+  follow_parameters();
+  return masters_.at(i);
+}
+
+void Optimizer::set_master(size_t i, const torch::Tensor& values) {
+  torch::NoGradGuard no_grad;
+  masters_.at(i).detach().copy_(values);
+  if (masters_[i].is_same(params_[i])) return;
+  params_[i].detach().copy_(masters_[i].detach());
+  written_[i] = params_[i]._version();
+}
+
+torch::optim::AdamWParamState& Optimizer::state(size_t i) {
+  auto& slot = adamw_->state()[masters_.at(i).unsafeGetTensorImpl()];
+  if (!slot) {
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->exp_avg(torch::zeros_like(masters_[i], torch::MemoryFormat::Preserve));
+    s->exp_avg_sq(torch::zeros_like(masters_[i], torch::MemoryFormat::Preserve));
+    slot = std::move(s);
+  }
+  return static_cast<torch::optim::AdamWParamState&>(*slot);
 }
 
 }  // namespace troupe

@@ -263,7 +263,7 @@ PpoTrainer::PpoTrainer(Transformer policy, PpoConfig config, uint64_t seed)
   params_ = model_->parameters();
   for (auto& p : value_head_->parameters()) params_.push_back(p);
   for (auto& p : params_) p.requires_grad_(true);
-  optimizer_ = make_adamw(params_, config_.optimizer);
+  optimizer_ = std::make_unique<Optimizer>(params_, config_.optimizer);
   model_->train();
 }
 
@@ -392,17 +392,7 @@ PpoMetrics PpoTrainer::step(const std::vector<RolloutGroup>& groups) {
       ++version_;
       continue;
     }
-    if (config_.optimizer.max_grad_norm > 0) {
-      m.grad_norm = torch::nn::utils::clip_grad_norm_(params_, config_.optimizer.max_grad_norm);
-    } else {
-      double sq = 0;
-      for (const auto& p : params_)
-        if (p.grad().defined()) sq += p.grad().pow(2).sum().item<double>();
-      m.grad_norm = std::sqrt(sq);
-    }
-    for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(m.lr);
-    optimizer_->step();
-    optimizer_->zero_grad();
+    m.grad_norm = optimizer_->step(m.lr);
     ++version_;
   }
   return m;
@@ -431,7 +421,7 @@ std::map<std::string, torch::Tensor> PpoTrainer::value_head_state_dict() const {
 
 void PpoTrainer::save_state(const std::filesystem::path& file) const {
   if (dp_) return dp_->save_state(file.parent_path(), version_);
-  save_optimizer_state(file, *optimizer_, params_, version_);
+  optimizer_->save(file, version_);
 }
 
 void PpoTrainer::load_state(const std::filesystem::path& file) {
@@ -439,7 +429,7 @@ void PpoTrainer::load_state(const std::filesystem::path& file) {
     version_ = dp_->load_state(file.parent_path());
     return;
   }
-  version_ = load_optimizer_state(file, *optimizer_, params_, config_.optimizer);
+  version_ = optimizer_->load(file);
 }
 
 void PpoTrainer::shard(std::shared_ptr<ProcessGroup> group, Sharding mode) {

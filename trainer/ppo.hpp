@@ -133,7 +133,7 @@ class PpoTrainer {
   std::map<std::string, torch::Tensor> value_head_state_dict() const;
   void save_value_head(const std::filesystem::path& file) const;
   void load_value_head(const std::filesystem::path& file);
-  // The AdamW state over the policy and the head, and the version (save_optimizer_state);
+  // The AdamW state over the policy and the head, and the version (Optimizer::save);
   // sharded: this rank's shard in the file's folder (DataParallel::save_state).
   void save_state(const std::filesystem::path& file) const;
   void load_state(const std::filesystem::path& file);
@@ -157,7 +157,7 @@ class PpoTrainer {
   torch::nn::Linear value_head_{nullptr};
   PpoConfig config_;
   std::vector<torch::Tensor> params_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;
   std::shared_ptr<DataParallel> dp_;
   int64_t version_ = 0;
 };

@@ -273,7 +273,7 @@ Trainer::Trainer(Transformer model, TrainerConfig config, std::vector<torch::Ten
   }
   for (auto& p : model_->parameters())
     if (!optimized.count(p.unsafeGetTensorImpl())) p.requires_grad_(false);
-  optimizer_ = make_adamw(params_, config_.optimizer);
+  optimizer_ = std::make_unique<Optimizer>(params_, config_.optimizer);
   if (config_.activation_checkpointing) trunk_ = std::make_unique<Trunk>(*model_);
   model_->train();
 }
@@ -284,6 +284,7 @@ double Trainer::lr_at(int64_t step) const { return scheduled_lr(config_.optimize
 
 void Trainer::set_data_parallel(std::shared_ptr<DataParallel> dp) {
   dp_ = std::move(dp);
+  if (dp_) optimizer_.reset();  // the data-parallel optimizer steps instead
   if (dp_ && dp_->shards_parameters()) {
     // zero3 gathers each layer where the checkpointed trunk runs it, forward and backward.
     if (!trunk_) trunk_ = std::make_unique<Trunk>(*model_);
@@ -322,18 +323,7 @@ double Trainer::finish_step() {
     ++version_;
     return norm;
   }
-  double norm = 0;
-  if (config_.optimizer.max_grad_norm > 0) {
-    norm = torch::nn::utils::clip_grad_norm_(params_, config_.optimizer.max_grad_norm);
-  } else {
-    for (const auto& p : params_)
-      if (p.grad().defined()) norm += p.grad().pow(2).sum().item<double>();
-    norm = std::sqrt(norm);
-  }
-  double lr = lr_at(version_);
-  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  optimizer_->step();
-  optimizer_->zero_grad();
+  const double norm = optimizer_->step(lr_at(version_));
   ++version_;
   return norm;
 }
@@ -716,7 +706,7 @@ DpoMetrics Trainer::dpo_eval(std::span<const dpo::Pair> pairs) {
 
 void Trainer::save_state(const std::filesystem::path& file) const {
   if (dp_) return dp_->save_state(file.parent_path(), version_);
-  save_optimizer_state(file, *optimizer_, params_, version_);
+  optimizer_->save(file, version_);
 }
 
 void Trainer::load_state(const std::filesystem::path& file) {
@@ -727,7 +717,7 @@ void Trainer::load_state(const std::filesystem::path& file) {
   if (!std::filesystem::exists(file) && std::filesystem::exists(file.parent_path() / "layout.json"))
     throw Error(file.parent_path().string() + ": a sharded checkpoint (layout.json, one optimizer file per rank): "
                 "resume it with parallel.trainer_ranks or parallel.sharding set");
-  version_ = load_optimizer_state(file, *optimizer_, params_, config_.optimizer);
+  version_ = optimizer_->load(file);
 }
 
 }  // namespace troupe

@@ -157,7 +157,7 @@ class Trainer {
   Transformer model_;
   TrainerConfig config_;
   std::vector<torch::Tensor> params_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;  // unset when data-parallel
   std::unique_ptr<Trunk> trunk_;  // set when activation_checkpointing
   std::shared_ptr<DataParallel> dp_;
   int64_t version_ = 0;
