@@ -32,12 +32,10 @@ test: build
 # (configs/demo.yaml says why), reward printed per step, then the held-out split before (the base
 # model; cached per dtype) and after (the run's last checkpoint) as a table: greedy pass@1, and
 # pass@1 over 4 samples at the training temperature 0.7 (the policy GRPO trains is that sampler).
-# It starts afresh in runs/demo. DEMO_DTYPE: float32 (default), auto or bfloat16; DEMO_ARGS:
-# more overrides for troupe run, e.g. `make demo DEMO_ARGS=trainer.steps=5`. float32 even where
-# the CPU has bf16: the single-device trainer steps bf16 weights without float32 master copies, so
-# at this lr most updates round away (measured on an AMX machine: reward 0.19 over steps 1-5 and
-# 0.20 over 12-16 in bfloat16, against 0.20 and 0.38 in float32).
-DEMO_DTYPE ?= float32
+# It starts afresh in runs/demo. DEMO_DTYPE: auto (default: bfloat16 where the CPU computes it
+# natively, else float32), float32 or bfloat16; DEMO_ARGS: more overrides for troupe run, e.g.
+# `make demo DEMO_ARGS=trainer.steps=5`.
+DEMO_DTYPE ?= auto
 DEMO_ARGS ?=
 DEMO_DIR := runs/demo
 DEMO_TEST := data/arithmetic_test.jsonl
@@ -82,12 +80,15 @@ bench: build
 	$(PY) bench/async_overlap.py --troupe $(BUILD)/troupe --config configs/demo.yaml --steps 20 --set trainer.batch_groups=1 generator.group_size=6 generator.max_tokens=192 generator.max_seq_len=256
 
 # Every parser's libFuzzer harness (tests/fuzz/: clang with ASan and UBSan, built in $(BUILD)/fuzz)
-# for FUZZ_SECONDS each, seeded from the test fixtures (made first) after replaying its reproducers
-# in tests/fuzz/regressions/. `make test` runs each for 5 s; scripts/fuzz.sh HARNESS runs one.
-FUZZ_SECONDS ?= 600
+# for FUZZ_RUNS executions each, or FUZZ_SECONDS where the parser is slower, seeded from the test
+# fixtures (made first) after replaying its reproducers in tests/fuzz/regressions/. `make test`
+# runs each for 5 s; scripts/fuzz.sh HARNESS runs one.
+FUZZ_RUNS ?= 1000000
+FUZZ_SECONDS ?= 1800
 fuzz: configure
 	@cd $(BUILD) && ctest --output-on-failure -R '^fixture_(safetensors|gguf|tokenizer|sft|hf_models|arithmetic)$$'
-	FUZZ_BUILD=$(abspath $(BUILD))/fuzz FUZZ_FIXTURES=$(abspath $(BUILD))/fixtures FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz.sh
+	FUZZ_BUILD=$(abspath $(BUILD))/fuzz FUZZ_FIXTURES=$(abspath $(BUILD))/fixtures FUZZ_SECONDS=$(FUZZ_SECONDS) \
+	  FUZZ_RUNS=$(FUZZ_RUNS) scripts/fuzz.sh
 
 clean:
 	rm -rf $(BUILD)

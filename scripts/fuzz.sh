@@ -3,8 +3,9 @@
 # their seed corpora from the test fixtures, and runs each harness for a while: first its
 # reproducers in tests/fuzz/regressions/<harness>/, then fuzzing for FUZZ_SECONDS.
 #
-#   scripts/fuzz.sh [--seconds N] [--build-only | --no-build] [HARNESS ...]   (default: every harness)
+#   scripts/fuzz.sh [--seconds N] [--runs N] [--build-only | --no-build] [HARNESS ...]   (default: every harness)
 #
+# --runs stops a harness after N executions (libFuzzer's -runs), --seconds in any case.
 # `make fuzz` runs it for 600 s a harness; each ctest test fuzz_<harness> for a few seconds. New
 # inputs that add coverage are kept in build/fuzz/corpus/<harness>/, so long runs build on each
 # other. A crash, hang, leak, out-of-memory or sanitizer report fails the run and prints the saved
@@ -16,6 +17,7 @@ ROOT=$PWD
 FUZZ_BUILD=${FUZZ_BUILD:-$ROOT/build/fuzz}
 FUZZ_FIXTURES=${FUZZ_FIXTURES:-$ROOT/build/fixtures}
 FUZZ_SECONDS=${FUZZ_SECONDS:-60}
+FUZZ_RUNS=${FUZZ_RUNS:--1}           # executions per harness; -1: until FUZZ_SECONDS
 FUZZ_CXX=${FUZZ_CXX:-clang++-14}
 FUZZ_JOBS=${FUZZ_JOBS:-$(nproc)}
 FUZZ_MAX_LEN=${FUZZ_MAX_LEN:-65536}
@@ -27,9 +29,10 @@ harnesses=()
 while (($#)); do
   case "$1" in
     --seconds) FUZZ_SECONDS=$2; shift 2 ;;
+    --runs) FUZZ_RUNS=$2; shift 2 ;;
     --build-only) run=0; shift ;;
     --no-build) build=0; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     -*) echo "fuzz.sh: unknown option $1" >&2; exit 2 ;;
     *) harnesses+=("$1"); shift ;;
   esac
@@ -83,7 +86,7 @@ for h in "${harnesses[@]}"; do
   fi
 
   start=$(date +%s)
-  timeout -k 10 $((FUZZ_SECONDS + 120)) "$bin" "${flags[@]}" -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 \
+  timeout -k 10 $((FUZZ_SECONDS + 120)) "$bin" "${flags[@]}" -max_total_time="$FUZZ_SECONDS" -runs="$FUZZ_RUNS" -print_final_stats=1 \
     "$FUZZ_BUILD/corpus/$h" "$FUZZ_BUILD/seeds/$h" > "$log" 2>&1 || status=$?
   secs=$(($(date +%s) - start))
   execs=$(stat number_of_executed_units "$log"); rate=$(stat average_exec_per_sec "$log")
