@@ -181,7 +181,7 @@ json parse_body(const std::string& text, bool allow_empty) {
   json body;
   try {
     body = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // a syntax error, or a number past double's range (1e309)
     bad("", std::string("invalid JSON: ") + e.what());
   }
   if (!body.is_object()) bad("", "the request body must be a JSON object, got " + type_name(body));

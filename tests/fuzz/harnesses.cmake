@@ -2,4 +2,4 @@
 # (the executables), tests/CMakeLists.txt (a ctest test each) and scripts/fuzz.sh (the runs).
 set(TROUPE_FUZZ_HARNESSES
     safetensors gguf tokenizer_json gguf_tokenizer chat_template config prompts sft_jsonl dpo_jsonl rollouts
-    trainer_state)
+    trainer_state serve_request)

@@ -307,4 +307,32 @@ dictionary("trainer_state", ['"format"', '"recipe"', '"model"', '"step"', '"poli
                              '"rollout_batches"', '"rollouts"', '"refilled"', '"epoch"', '"position"',
                              "9223372036854775808", "-9223372036854775809", "1.5", "null", "[]", "{}"])
 
+# troupe serve's request bodies: a route byte (0 completions, 1 chat, 2 tokenize, 3 detokenize),
+# then the body, as the vLLM clients and tests/generator/serve_abuse.py send them.
+serve_bodies = [
+    (0, {"model": "fuzz", "prompt": "the answer is", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
+         "min_p": 0.05, "n": 2, "seed": 3, "stop": ["\n", "."], "logprobs": 1, "return_token_ids": True}),
+    (0, {"prompt": [[1, 2, 3], "text", [4]], "max_tokens": 4, "stop_token_ids": [5], "ignore_eos": True}),
+    (0, {"prompt": [7, 8, 9], "stream": True, "stream_options": {"include_usage": True}, "echo": False, "best_of": 1}),
+    (1, {"model": "fuzz", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+         "max_completion_tokens": 8, "logprobs": True, "top_logprobs": 2, "add_generation_prompt": True}),
+    (1, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+         "stream": True, "tools": [], "tool_choice": "none"}),
+    (2, {"prompt": "the theme", "return_token_strs": True}),
+    (2, {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}),
+    (3, {"tokens": [104, 101, 256, 257]}),
+]
+for route, body in serve_bodies:
+    seed("serve_request", bytes([route]) + json.dumps(body).encode())
+seed("serve_request", b"\x00")
+seed("serve_request", b"\x00" + b"[" * 80)
+dictionary("serve_request", ['"model"', '"prompt"', '"messages"', '"role"', '"content"', '"type"', '"text"', '"n"',
+                             '"max_tokens"', '"max_completion_tokens"', '"temperature"', '"top_p"', '"top_k"', '"min_p"',
+                             '"seed"', '"stop"', '"stop_token_ids"', '"ignore_eos"', '"logprobs"', '"top_logprobs"',
+                             '"stream"', '"stream_options"', '"include_usage"', '"continuous_usage_stats"', '"tokens"',
+                             '"return_token_ids"', '"return_tokens_as_token_ids"', '"add_generation_prompt"',
+                             '"include_stop_str_in_output"', '"return_token_strs"', '"user"', '"assistant"',
+                             '"system"', "1e309", "-1", "0", "16.0", "4294967296", "9223372036854775808", "null",
+                             "true", "[]", "{}", "\\u0000", "\\ud800"])
+
 print("fuzz seeds in " + str(OUT) + ": " + ", ".join(f"{h} {n}" for h, n in sorted(counts.items())))

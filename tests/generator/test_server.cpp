@@ -310,6 +310,7 @@ TEST_CASE("malformed requests get a 400 with vLLM's error body, and the server k
       {"/v1/completions", "{not json", nullptr},
       {"/v1/completions", "[1, 2]", nullptr},
       {"/v1/completions", "", nullptr},
+      {"/v1/completions", R"({"prompt": "hi", "temperature": 1e309})", nullptr},  // found by fuzz_serve_request: was a 500
       {"/v1/completions", R"({"prompt": "hi", "max_tokens": "ten"})", "max_tokens"},
       {"/v1/completions", R"({"prompt": "hi", "max_tokens": -1})", "max_tokens"},
       {"/v1/completions", R"({"prompt": "hi", "max_tokens": 0})", "max_tokens"},
