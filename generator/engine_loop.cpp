@@ -150,7 +150,14 @@ void EngineLoop::run() {
     apply(std::move(updates));
     if (step && engine_->has_work()) {
       try {
-        deliver(engine_->step());
+        auto finished = engine_->step();
+        {
+          // Before the answers go out: a client may read /metrics as soon as it has its own.
+          std::lock_guard stats_lock(stats_mutex_);
+          stats_.running = engine_->running();
+          stats_.waiting = engine_->waiting();
+        }
+        deliver(std::move(finished));
         watch_running();
       } catch (...) {
         // A failed step leaves the running sequences in an unknown state: fail their requests
@@ -252,20 +259,22 @@ void EngineLoop::deliver(std::vector<Completion> completions) {
     auto it = pending_.find(c.request_id);
     if (it == pending_.end()) continue;  // a request already failed (see fail_pending)
     Pending& p = it->second;
+    const bool last = static_cast<int64_t>(p.done.size()) + 1 == p.n;
     {
+      // Counted before anyone hears of it: a streaming client may read /metrics as soon as its
+      // stream ends.
       std::lock_guard lock(stats_mutex_);
       observe_tokens(p, c.index, c.ids.size(), now);
       stats_.generation_tokens += static_cast<int64_t>(c.ids.size());
       ++stats_.finished[finish_reason_name(c.finish_reason)];
+      if (last) {
+        stats_.prompt_tokens += p.prompt_tokens;
+        stats_.e2e_latency.observe(std::chrono::duration<double>(now - p.submitted).count());
+      }
     }
     if (p.watch && p.watch->done) p.watch->done(c);
     p.done.push_back(std::move(c));
-    if (static_cast<int64_t>(p.done.size()) < p.n) continue;
-    {
-      std::lock_guard lock(stats_mutex_);
-      stats_.prompt_tokens += p.prompt_tokens;
-      stats_.e2e_latency.observe(std::chrono::duration<double>(now - p.submitted).count());
-    }
+    if (!last) continue;
     std::sort(p.done.begin(), p.done.end(), [](const Completion& a, const Completion& b) { return a.index < b.index; });
     p.promise.set_value(std::move(p.done));
     pending_.erase(it);
