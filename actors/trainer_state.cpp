@@ -67,6 +67,10 @@ TrainerState read_trainer_state(const std::filesystem::path& dir) {
       const auto& batches = j["rollout_batches"];
       s.rollout_batches = {integer(batches.at(0), "rollout_batches[0]", name), integer(batches.at(1), "rollout_batches[1]", name)};
       j.at("rollouts").get_to(s.rollouts);
+      // A file name inside the checkpoint folder: resume reads it from there, and nothing else.
+      if (s.rollouts.empty() || s.rollouts == "." || s.rollouts == ".." || s.rollouts.find('/') != std::string::npos ||
+          s.rollouts.find('\0') != std::string::npos)
+        throw Error(name + ": rollouts is '" + s.rollouts + "', expected a file name in the checkpoint folder (rollouts.msgpack)");
       s.refilled = j.contains("refilled") ? integer(j["refilled"], "refilled", name) : 0;  // absent before dynamic sampling: none
     }
   } catch (const nlohmann::json::exception& e) {

@@ -43,26 +43,35 @@ bool read_cache(const std::filesystem::path& file, std::span<Pair> pairs, const 
   if (!in) return false;
   const std::string name = file.string();
   auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object() || j.value("format", "") != kCacheFormat)
+  if (j.is_discarded() || !j.is_object() || j.value("format", nlohmann::json()) != kCacheFormat)
     throw Error(name + ": not a troupe DPO reference cache (delete it, or point the cache elsewhere)");
-  if (j.value("version", 0) != kCacheVersion)
+  if (j.value("version", nlohmann::json()) != kCacheVersion)
     throw Error(name + ": reference cache version " + j.value("version", nlohmann::json()).dump() + ", expected " +
                 std::to_string(kCacheVersion) + " (delete it to recompute)");
-  const auto fp = fingerprint(pairs);
-  const std::string cached_fp = j.value("fingerprint", ""), cached_model = j.value("model_id", "");
-  const size_t cached_pairs = j.value("pairs", size_t{0});
-  if (cached_pairs != pairs.size() || cached_fp != fp || cached_model != o.model_id)
-    throw Error(name + ": the reference cache was computed for " + std::to_string(cached_pairs) +
-                " pairs (fingerprint " + cached_fp + ", model '" + cached_model + "'), but these are " +
-                std::to_string(pairs.size()) + " pairs (fingerprint " + fp + ", model '" + o.model_id +
-                "'); delete the file to recompute, or use another cache path");
-  const auto& chosen = j.at("chosen");
-  const auto& rejected = j.at("rejected");
-  if (!chosen.is_array() || !rejected.is_array() || chosen.size() != pairs.size() || rejected.size() != pairs.size())
-    throw Error(name + ": the reference cache's chosen/rejected lists do not hold one value per pair");
-  for (size_t i = 0; i < pairs.size(); ++i) {
-    pairs[i].ref_chosen = chosen[i].get<double>();
-    pairs[i].ref_rejected = rejected[i].get<double>();
+  try {
+    const auto fp = fingerprint(pairs);
+    const std::string cached_fp = j.value("fingerprint", ""), cached_model = j.value("model_id", "");
+    const nlohmann::json count = j.value("pairs", nlohmann::json());
+    if (!count.is_number_unsigned())
+      throw Error(name + ": the reference cache's pairs is " + count.dump() + ", expected a count; delete it to recompute");
+    const size_t cached_pairs = count.get<size_t>();
+    if (cached_pairs != pairs.size() || cached_fp != fp || cached_model != o.model_id)
+      throw Error(name + ": the reference cache was computed for " + std::to_string(cached_pairs) +
+                  " pairs (fingerprint " + cached_fp + ", model '" + cached_model + "'), but these are " +
+                  std::to_string(pairs.size()) + " pairs (fingerprint " + fp + ", model '" + o.model_id +
+                  "'); delete the file to recompute, or use another cache path");
+    const auto& chosen = j.at("chosen");
+    const auto& rejected = j.at("rejected");
+    if (!chosen.is_array() || !rejected.is_array() || chosen.size() != pairs.size() || rejected.size() != pairs.size())
+      throw Error(name + ": the reference cache's chosen/rejected lists do not hold one value per pair");
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      if (!chosen[i].is_number() || !rejected[i].is_number())
+        throw Error(name + ": the reference cache's value for pair " + std::to_string(i) + " is not a number");
+      pairs[i].ref_chosen = chosen[i].get<double>();
+      pairs[i].ref_rejected = rejected[i].get<double>();
+    }
+  } catch (const nlohmann::json::exception& e) {  // a field of another type than the writer's
+    throw Error(name + ": not a troupe DPO reference cache (" + e.what() + "); delete it to recompute");
   }
   return true;
 }

@@ -116,4 +116,9 @@ TEST_CASE("broken trainer_state.json files are errors naming the field") {
   const std::string cursor = trainer_state_error(regression("trainer_state/deep_cursor.json"));
   CAPTURE(cursor);
   CHECK(cursor.find("trainer_state.json: cursor is an array, expected {\"epoch\": e, \"position\": p}") != std::string::npos);
+  // Resume reads checkpoint_dir / rollouts: a path that leaves the folder is refused.
+  const std::string outside = trainer_state_error(regression("trainer_state/rollouts_outside_checkpoint.json"));
+  CAPTURE(outside);
+  CHECK(outside.find("trainer_state.json: rollouts is '../../../etc/passwd', expected a file name in the checkpoint folder") !=
+        std::string::npos);
 }

@@ -211,6 +211,30 @@ TEST_CASE("reference log-probs: summed response log-probs equal the rollout path
             .starts_with(cache.string()));
 }
 
+// Caches of the right format whose fields have other types: each an Error naming the file, never
+// an exception from the JSON library or a float cast to a count.
+TEST_CASE("broken reference caches are errors naming the file") {
+  auto m = load_model(test::fixtures() / "hf_models" / "llama3", {.tokenizer = false});
+  const auto cache = fs::temp_directory_path() / "troupe_test_dpo_bad_cache" / "ref.json";
+  fs::create_directories(cache.parent_path());
+  for (const std::string fields : {R"("pairs": -1)", R"("pairs": 4.5)", R"("pairs": 1e300)", R"("pairs": "4")",
+                                   R"("pairs": 4, "fingerprint": 7)", R"("pairs": 4, "model_id": ["llama3"])"}) {
+    std::ofstream(cache) << R"({"format": "troupe-dpo-reference", "version": 1, )" << fields << "}\n";
+    auto pairs = id_pairs();
+    const std::string message = error_of([&] { dpo::compute_reference(*m.model, pairs, {.cache = cache, .model_id = "llama3"}); });
+    CAPTURE(fields);
+    CAPTURE(message);
+    CHECK(message.starts_with(cache.string() + ": "));
+    CHECK(message.find("delete") != std::string::npos);
+  }
+  for (const std::string text : {R"({"format": 5})", R"({"format": "troupe-dpo-reference", "version": "1"})"}) {
+    std::ofstream(cache) << text;
+    auto pairs = id_pairs();
+    CHECK(error_of([&] { dpo::compute_reference(*m.model, pairs, {.cache = cache}); }).starts_with(cache.string() + ": "));
+  }
+  fs::remove_all(cache.parent_path());
+}
+
 TEST_CASE("dpo_step: log 2 at the start, and micro-batches accumulate to the whole batch's gradient") {
   // The gradients of one dpo_step, caught by hooks on the parameters (summed over micro-batches).
   auto run = [](int64_t micro, DpoMetrics* first) {
