@@ -33,20 +33,11 @@ std::vector<Pair> read_jsonl(const std::filesystem::path& path, const Tokenizer&
     if (!eos) throw Error(file + ": append_eos is set but the tokenizer has no eos token (turn append_eos off)");
   }
 
-  std::ifstream in(path);
-  if (!in) throw Error(file + ": cannot open the preference data file");
   sft::ReadReport report;
   std::vector<Pair> out;
-  std::string line;
-  int64_t records = 0;
-  for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
-    if (o.limit > 0 && records >= o.limit) break;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    ++records;
-    const std::string where = file + ":" + std::to_string(line_no);
-    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) throw Error(where + ": not valid JSON");
-    if (!j.is_object()) throw Error(where + ": expected a JSON object, got " + std::string(j.type_name()));
+  const int64_t records = sft::for_each_jsonl_object(path, o.limit, "preference data", [&](const nlohmann::json& j,
+                                                                                          int64_t line_no,
+                                                                                          const std::string& where) {
     const std::string prompt = string_field(j, o.prompt_field, where);
     const std::string chosen = string_field(j, o.chosen_field, where);
     const std::string rejected = string_field(j, o.rejected_field, where);
@@ -75,7 +66,7 @@ std::vector<Pair> read_jsonl(const std::filesystem::path& path, const Tokenizer&
                     std::to_string(o.max_length) + " (raise max_length, or set overlong to truncate or drop)");
       if (o.overlong == sft::Overlong::drop) {
         ++report.dropped;
-        continue;
+        return;
       }
       for (auto* s : {&p.chosen, &p.rejected})
         if (s->size() > o.max_length) {
@@ -84,13 +75,12 @@ std::vector<Pair> read_jsonl(const std::filesystem::path& path, const Tokenizer&
         }
       if (p.chosen.trained_tokens() == 0 || p.rejected.trained_tokens() == 0) {
         ++report.dropped;  // the prompt alone fills max_length
-        continue;
+        return;
       }
       ++report.truncated;
     }
     out.push_back(std::move(p));
-  }
-  if (in.bad()) throw Error(file + ": read error");
+  });
   if (out.empty())
     throw Error(file + (records == 0 ? ": no preference pairs (the file is empty or has only blank lines)"
                                      : ": no pairs left after max_length (raise max_length)"));

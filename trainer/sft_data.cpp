@@ -112,6 +112,27 @@ Sequence encode_plain(const std::string& prompt, const std::string& response, co
   return s;
 }
 
+int64_t for_each_jsonl_object(const std::filesystem::path& path, int64_t limit, const std::string& what,
+                              const std::function<void(const nlohmann::json&, int64_t, const std::string&)>& record) {
+  const std::string file = path.string();
+  std::ifstream in(path);
+  if (!in) throw Error(file + ": cannot open the " + what + " file");
+  std::string line;
+  int64_t records = 0;
+  for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
+    if (limit > 0 && records >= limit) break;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    ++records;
+    const std::string where = file + ":" + std::to_string(line_no);
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) throw Error(where + ": not valid JSON");
+    if (!j.is_object()) throw Error(where + ": expected a JSON object, got " + std::string(j.type_name()));
+    record(j, line_no, where);
+  }
+  if (in.bad()) throw Error(file + ": read error");
+  return records;
+}
+
 ChatTemplate chat_template_for(const Tokenizer& tokenizer, const std::optional<ChatTemplate>& configured,
                                const std::string& file) {
   if (configured) return *configured;
@@ -138,21 +159,10 @@ std::vector<Sequence> read_jsonl(const std::filesystem::path& path, const Tokeni
     if (!eos) throw Error(file + ": append_eos is set but the tokenizer has no eos token (turn append_eos off)");
   }
 
-  std::ifstream in(path);
-  if (!in) throw Error(file + ": cannot open the SFT data file");
   ReadReport report;
   std::vector<Sequence> out;
-  std::string line;
-  int64_t records = 0;
-  for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
-    if (o.limit > 0 && records >= o.limit) break;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    ++records;
-    const std::string where = file + ":" + std::to_string(line_no);
-    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) throw Error(where + ": not valid JSON");
-    if (!j.is_object()) throw Error(where + ": expected a JSON object, got " + std::string(j.type_name()));
-
+  const int64_t records = for_each_jsonl_object(path, o.limit, "SFT data", [&](const nlohmann::json& j, int64_t line_no,
+                                                                               const std::string& where) {
     Sequence s;
     try {
       if (pairs) {
@@ -179,8 +189,7 @@ std::vector<Sequence> read_jsonl(const std::filesystem::path& path, const Tokeni
     s.line = line_no;
     if (s.trained_tokens() == 0) throw Error(where + ": the response is empty (no tokens to train on)");
     if (fit(s, o, where, report)) out.push_back(std::move(s));
-  }
-  if (in.bad()) throw Error(file + ": read error");
+  });
   if (out.empty())
     throw Error(file + (records == 0 ? ": no examples (the file is empty or has only blank lines)"
                                      : ": no examples left after max_length (raise max_length)"));

@@ -4,10 +4,13 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json_fwd.hpp>
 
 #include "policy/chat_template.hpp"
 #include "policy/tokenizer.hpp"
@@ -73,6 +76,13 @@ Sequence encode_plain(const std::string& prompt, const std::string& response, co
 // missing or empty file.
 std::vector<Sequence> read_jsonl(const std::filesystem::path& path, const Tokenizer& tokenizer,
                                  const DataOptions& options = {}, ReadReport* report = nullptr);
+
+// Calls `record(object, line, where)` for each JSON object line of a JSONL file, where `where` is
+// "FILE:LINE", skipping blank lines, for the first `limit` records (0: all). Returns the records
+// read. Errors name FILE:LINE for a line that is not a JSON object, and FILE when it cannot be
+// opened ("cannot open the <what> file") or read. Shared by the SFT and preference readers.
+int64_t for_each_jsonl_object(const std::filesystem::path& path, int64_t limit, const std::string& what,
+                              const std::function<void(const nlohmann::json&, int64_t, const std::string&)>& record);
 
 // The chat template records of `file` render with: `configured` when set, else the tokenizer's
 // own; an Error naming `file` when the tokenizer has none.
