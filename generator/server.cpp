@@ -175,8 +175,6 @@ class Service {
   ModelConfig config_;
   std::optional<Tokenizer> tokenizer_;
   std::optional<ChatTemplate> chat_template_;
-  std::string chat_template_error_;  // why chat is unavailable, when it is
-  std::vector<int32_t> end_of_turn_ids_;
   std::optional<RequestReader> reader_;  // over the members above
   std::map<std::string, std::vector<int64_t>> param_shapes_;  // to check weight updates before staging them
   std::unique_ptr<EngineLoop> loop_;
@@ -199,29 +197,31 @@ Service::Service(const ServeOptions& options, LoadedModel m)
   if (options_.max_n < 1) throw Error("--max-n must be at least 1");
   if (options_.max_tokens < 1) throw Error("--max-tokens must be at least 1");
   if (options_.max_prompts < 1) throw Error("max_prompts must be at least 1");
+  std::string chat_template_error;  // why chat is unavailable, when it is
+  std::vector<int32_t> end_of_turn_ids;
   if (tokenizer_) {
     if (tokenizer_->chat_template()) {
       try {
         chat_template_ = ChatTemplate::detect(*tokenizer_->chat_template(), options.model);
       } catch (const Error& e) {
-        chat_template_error_ = e.what();
+        chat_template_error = e.what();
       }
     } else {
-      chat_template_error_ = options.model + ": the tokenizer has no chat template; use /v1/completions";
+      chat_template_error = options.model + ": the tokenizer has no chat template; use /v1/completions";
     }
     // The engine stops at the config's and tokenizer's end-of-sequence ids; chat models also
     // end a turn with their template's end-of-turn token, which vLLM gets from generation_config.
     // Ids past the model's vocabulary (a tokenizer larger than the embedding) can never be
     // sampled, so they need no stop.
     for (const char* t : {"<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>"})
-      if (auto id = tokenizer_->token_id(t); id && *id < m.config.vocab_size) end_of_turn_ids_.push_back(*id);
+      if (auto id = tokenizer_->token_id(t); id && *id < m.config.vocab_size) end_of_turn_ids.push_back(*id);
   } else {
-    chat_template_error_ = options.model + ": no tokenizer next to the model; chat needs one";
+    chat_template_error = options.model + ": no tokenizer next to the model; chat needs one";
   }
   reader_.emplace(RequestLimits{.max_n = options_.max_n, .max_batch = options_.max_batch, .max_tokens = options_.max_tokens,
                                 .max_seq_len = options_.max_seq_len, .max_prompts = options_.max_prompts},
                   options_.model, model_name_, config_.vocab_size, tokenizer_ ? &*tokenizer_ : nullptr,
-                  chat_template_ ? &*chat_template_ : nullptr, chat_template_error_, end_of_turn_ids_);
+                  chat_template_ ? &*chat_template_ : nullptr, std::move(chat_template_error), std::move(end_of_turn_ids));
   for (const auto& p : m.model->named_parameters(/*recurse=*/true)) param_shapes_[p.key()] = shape_of(p.value());
   EngineOptions eo{.max_batch = options.max_batch, .max_seq_len = options.max_seq_len, .seed = options.seed};
   loop_ = std::make_unique<EngineLoop>(std::make_unique<Engine>(m.model, m.tokenizer, eo));

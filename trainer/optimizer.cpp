@@ -133,17 +133,15 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, const OptimizerConfig& c
 
 Optimizer::~Optimizer() = default;
 
-void Optimizer::follow_parameters() {
+void Optimizer::follow_parameter(size_t i) {
+  if (masters_[i].is_same(params_[i]) || params_[i]._version() == written_[i]) return;
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (masters_[i].is_same(params_[i]) || params_[i]._version() == written_[i]) continue;
-    masters_[i].detach().copy_(params_[i].detach());
-    written_[i] = params_[i]._version();
-  }
+  masters_[i].detach().copy_(params_[i].detach());
+  written_[i] = params_[i]._version();
 }
 
 double Optimizer::step(double lr) {
-  follow_parameters();
+  for (size_t i = 0; i < params_.size(); ++i) follow_parameter(i);
   for (size_t i = 0; i < params_.size(); ++i)
     if (!masters_[i].is_same(params_[i]) && params_[i].grad().defined()) {
       masters_[i].mutable_grad() = params_[i].grad().to(torch::kFloat32);
@@ -170,8 +168,9 @@ double Optimizer::step(double lr) {
 }
 
 torch::Tensor Optimizer::master(size_t i) {
-  follow_parameters();
-  return masters_.at(i);
+  if (i >= masters_.size()) throw Error("optimizer: no parameter " + std::to_string(i));
+  follow_parameter(i);
+  return masters_[i];
 }
 
 void Optimizer::set_master(size_t i, const torch::Tensor& values) {

@@ -64,7 +64,7 @@ class Optimizer {
   torch::optim::AdamWParamState& state(size_t i);
 
  private:
-  void follow_parameters();  // masters of parameters written from outside take their values
+  void follow_parameter(size_t i);  // a parameter written from outside: its master takes its values
 
   OptimizerConfig config_;
   std::vector<at::Tensor> params_;
