@@ -750,7 +750,7 @@ namespace {
 // tensor, so a file made with other parameters is refused rather than silently misread.
 nlohmann::json llama3_rope_scaling(const File& file, const TensorInfo& t, double theta, uint64_t head_dim) {
   const std::vector<float> freqs = dequantize(t);
-  if (freqs.size() != head_dim / 2)
+  if (freqs.empty() || freqs.size() != head_dim / 2)  // head_dim 0 or 1: no frequencies to scale
     fail(file.path(), "rope_freqs.weight has " + std::to_string(freqs.size()) + " entries, expected head_dim / 2 = " +
                           std::to_string(head_dim / 2));
   const double factor = *std::max_element(freqs.begin(), freqs.end());
