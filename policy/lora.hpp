@@ -20,22 +20,10 @@
 
 #include <torch/types.h>
 
+#include "policy/lora_config.hpp"
 #include "policy/transformer.hpp"
 
 namespace troupe {
-
-struct LoraConfig {
-  int64_t rank = 8;      // r: more capacity, more memory
-  double alpha = 16.0;   // lora_alpha: the adapter's term is scaled by alpha / r
-  double dropout = 0.0;  // lora_dropout on the adapter's input, in training mode only
-  // HF module names, matched as PEFT does: equal to a module's name or a dotted suffix of it
-  // ("q_proj" matches model.layers.3.self_attn.q_proj). Each must match some projection.
-  std::vector<std::string> target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
-  bool use_rslora = false;  // scale by alpha / sqrt(r) instead (rank-stabilised LoRA)
-
-  double scale() const;   // alpha / r, or alpha / sqrt(r)
-  void validate() const;  // throws Error naming the field and the value
-};
 
 // True for the adapter parameters' names (`...q_proj.lora_A.weight`, `...lora_B.weight`).
 bool is_lora_parameter(std::string_view name);
