@@ -180,7 +180,11 @@ TEST_CASE("resuming from a checkpoint of another recipe or model is an error nam
                                                         " resume=" + shell_quote(dir.string())) + " 2>&1");
   CHECK(r.status == 1);
   CHECK_MESSAGE(r.out.find("the checkpoint trained") != std::string::npos, r.out);
-  r = run_command(troupe_run("tiny_arithmetic_grpo", "resume=" + shell_quote(dir.string())) + " 2>&1");
+  r = run_command(troupe_run("tiny_arithmetic_grpo", "model.path=" + shell_quote((task / "model").string()) +
+                                                         " data.train.path=" + shell_quote((task / "train.jsonl").string()) +
+                                                         " trainer.sft_warmup.path=" + shell_quote((task / "format.jsonl").string()) +
+                                                         " run.dir=" + shell_quote((fixtures() / "resume_wrong").string()) +
+                                                         " resume=" + shell_quote(dir.string())) + " 2>&1");
   CHECK(r.status == 1);
   CHECK_MESSAGE(r.out.find("step_40/trainer_state.json: the checkpoint is from recipe sft, this config runs grpo") !=
                     std::string::npos, r.out);
