@@ -1,0 +1,94 @@
+// Weight-only int8 and int4 GEMMs (ATen's packed CPU kernels) against their plain-ATen reference:
+// the weight rounded by the same rule, unpacked, times x in float64.
+#include <doctest/doctest.h>
+
+#include <torch/torch.h>
+
+#include "kernels/weight_only.hpp"
+
+using namespace troupe::kernels;
+
+namespace {
+double max_rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  auto a64 = a.to(torch::kFloat64), b64 = b.to(torch::kFloat64);
+  return ((a64 - b64).abs().max() / b64.abs().max()).item<double>();
+}
+}  // namespace
+
+TEST_CASE("int8 and int4 GEMMs equal x times the weight rounded by their rule") {
+  torch::manual_seed(0);
+  // (N, K, M): the tiny fixtures' projections and vocabulary, SmolLM2's, odd row counts.
+  for (auto [N, K, M] : {std::tuple<int64_t, int64_t, int64_t>{96, 64, 1}, {64, 96, 7}, {1000, 64, 3},
+                         {1536, 576, 1}, {576, 1536, 5}, {33, 32, 2}}) {
+    CAPTURE(N);
+    CAPTURE(K);
+    CAPTURE(M);
+    auto w = torch::randn({N, K}) * 0.05;
+    auto x = torch::randn({M, K});
+    auto bias = torch::randn({N});
+    for (int64_t bits : {8, 4}) {
+      CAPTURE(bits);
+      auto q = quantize_weight(w, bits, torch::kFloat32);
+      CHECK(q.out_features == N);
+      CHECK(q.in_features == K);
+      auto ref = torch::matmul(x.to(torch::kFloat64), fake_quantize_reference(w, bits).to(torch::kFloat64).t()) +
+                 bias.to(torch::kFloat64);  // (M, N)
+      auto y = quantized_linear(x, q, bias);
+      REQUIRE((y.sizes() == ref.sizes()));
+      CHECK((y.scalar_type() == torch::kFloat32));
+      double err = max_rel_diff(y, ref);
+      MESSAGE("int" << bits << " [" << N << ", " << K << "] x " << M << " rows: max error " << err
+                    << " of the largest output");
+      CHECK(err < 1e-5);
+      // bfloat16 activations: the same weights, within bfloat16's rounding of x and the sums.
+      auto qb = quantize_weight(w, bits, torch::kBFloat16);
+      auto yb = quantized_linear(x.to(torch::kBFloat16), qb, bias);
+      CHECK((yb.scalar_type() == torch::kBFloat16));
+      CHECK(max_rel_diff(yb, ref) < 2e-2);
+      // Leading dimensions pass through.
+      auto y3 = quantized_linear(x.unsqueeze(0), q, {});
+      CHECK((y3.sizes() == torch::IntArrayRef({1, M, N})));
+    }
+  }
+}
+
+TEST_CASE("the rounding rules: int8 within half a step of the row's scale, int4 of its group's") {
+  torch::manual_seed(1);
+  auto w = torch::randn({48, 128});
+  w[3].fill_(0);  // an all-zero row (and its groups) must stay zero, not divide by zero
+  auto w8 = fake_quantize_reference(w, 8), w4 = fake_quantize_reference(w, 4);
+  CHECK(torch::isfinite(w8).all().item<bool>());
+  CHECK(torch::isfinite(w4).all().item<bool>());
+  CHECK(w8[3].abs().max().item<double>() == 0.0);
+  CHECK(w4[3].abs().max().item<double>() == 0.0);
+  auto step8 = w.abs().amax(1, true) / 127;  // (48, 1)
+  CHECK(((w8 - w).abs() <= step8 / 2 + 1e-7).all().item<bool>());
+  auto g = w.reshape({48, 128 / kInt4Group, kInt4Group});
+  auto step4 = (g.amax(-1, true) - g.amin(-1, true)) / 15;  // (48, 4, 1)
+  CHECK((((w4 - w).reshape(g.sizes())).abs() <= step4 / 2 + 1e-6).all().item<bool>());
+  // A Q4_1-like weight (16 levels per group of 32, with a minimum) comes back exactly.
+  auto levels = torch::randint(0, 16, {8, 64}).to(torch::kFloat32);
+  levels.select(1, 0).fill_(0);
+  levels.select(1, 1).fill_(15);
+  levels.select(1, 32).fill_(0);
+  levels.select(1, 33).fill_(15);
+  auto q41 = levels * 0.01 - 0.07;
+  CHECK(max_rel_diff(fake_quantize_reference(q41, 4), q41) < 1e-6);
+  // The packed size: int4 reads an eighth of float32's bytes, plus its scales.
+  auto q = quantize_weight(w, 4, torch::kFloat32);
+  CHECK(q.packed.numel() * q.packed.element_size() == 48 * 128 / 2);
+  CHECK(quantize_weight(w, 8, torch::kFloat32).bytes() == 48 * 128 + 48 * 4);
+}
+
+TEST_CASE("what a format cannot hold is refused with the reason") {
+  std::string why;
+  CHECK_FALSE(quantized_weight_fits(4, 64, 48, torch::kCPU, &why));
+  CHECK(why == "int4 needs the input size to be a multiple of 32, got 48");
+  CHECK(quantized_weight_fits(8, 64, 48, torch::kCPU, &why));
+  CHECK_FALSE(quantized_weight_fits(3, 64, 64, torch::kCPU, &why));
+  CHECK(why.find("only 8 and 4 bits") != std::string::npos);
+  CHECK_FALSE(quantized_weight_fits(8, 64, 64, torch::Device(torch::kCUDA, 0), &why));
+  CHECK(why.find("CPU only") != std::string::npos);
+  CHECK_THROWS_WITH(quantize_weight(torch::randn({8, 48}), 4, torch::kFloat32),
+                    doctest::Contains("multiple of 32"));
+}
