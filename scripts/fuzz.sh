@@ -105,7 +105,7 @@ for h in "${harnesses[@]}"; do
     done
     echo "  full log: $log" >&2
   else
-    printf 'fuzz %-15s %9s executions in %4d s (%6s/s), corpus %5d inputs, 0 crashes\n' "$h" "${execs:-?}" "$secs" "${rate:-?}" "$corpus"
+    printf 'fuzz %-17s %9s executions in %4d s (%6s/s), corpus %5d inputs, 0 crashes\n' "$h" "${execs:-?}" "$secs" "${rate:-?}" "$corpus"
   fi
 done
 if ((${#failed[@]})); then

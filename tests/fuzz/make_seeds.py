@@ -66,6 +66,120 @@ dictionary("safetensors", ['"dtype"', '"shape"', '"data_offsets"', '"__metadata_
                            "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "18446744073709551615",
                            "9223372036854775807", "-1", "1e308", "[]", "{}"])
 
+# --- sharded checkpoints: model.safetensors.index.json and two shards' headers -----------------
+# The harness writes each shard's data section itself (zeros), so a seed holds the index, NUL, the
+# first shard's header JSON, NUL, the second's, for the shard names the harness writes.
+
+SHARD_NAMES = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def st_header(path):
+    raw = Path(path).read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + n])
+
+
+def sharded_seed(headers, extra_index=None):
+    weight_map = {name: SHARD_NAMES[i] for i, h in enumerate(headers) for name in h if name != "__metadata__"}
+    total = sum(e["data_offsets"][1] - e["data_offsets"][0] for h in headers for k, e in h.items() if k != "__metadata__")
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index.update(extra_index or {})
+    return "\0".join([json.dumps(index, indent=2) + "\n"] + [json.dumps(h, separators=(",", ":")) for h in headers])
+
+
+def tiled(tensors, metadata=None):
+    """A header whose tensors tile the data section in the order given: [(name, dtype, shape)]."""
+    sizes = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "U8": 1}
+    h, offset = ({"__metadata__": metadata} if metadata else {}), 0
+    for name, dtype, shape in tensors:
+        n = sizes[dtype]
+        for d in shape:
+            n *= d
+        h[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    return h
+
+
+seed("safetensors_index", sharded_seed([tiled([("model.embed_tokens.weight", "F32", [8, 4]),
+                                               ("model.norm.weight", "F32", [4])], {"format": "pt"}),
+                                        tiled([("lm_head.weight", "BF16", [8, 4]), ("scalar", "I64", []),
+                                               ("empty", "F16", [0, 3])], {"format": "pt"})]))
+seed("safetensors_index", sharded_seed([tiled([("w", "U8", [3])])]))
+seed("safetensors_index", sharded_seed([tiled([("w", "U8", [3])])], {"metadata": [[[[[[[[[[[[[[[[{}]]]]]]]]]]]]]]]]}))
+shards = files(FIXTURES, "safetensors/sharded/model-*.safetensors")
+if len(shards) >= 2:
+    headers = [st_header(p) for p in shards[:2]]
+    seed("safetensors_index", sharded_seed(headers))
+    # The fixture's index as transformers wrote it, its third shard missing.
+    index_path = FIXTURES / "safetensors/sharded/model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        renamed = {Path(p).name: SHARD_NAMES[i] for i, p in enumerate(shards[:2])}
+        index["weight_map"] = {k: renamed.get(v, v) for k, v in index["weight_map"].items()}
+        seed("safetensors_index", "\0".join([json.dumps(index, indent=2)] + [json.dumps(h) for h in headers]))
+dictionary("safetensors_index", ['"weight_map"', '"metadata"', '"total_size"', '"dtype"', '"shape"', '"data_offsets"',
+                                 '"__metadata__"', "F32", "BF16", "I64", "U8", SHARD_NAMES[0], SHARD_NAMES[1],
+                                 "model.safetensors", "model.safetensors.index.json", "..", "/", "\\u0000",
+                                 "18446744073709551615", "[]", "{}", "null", b"\x00"])
+
+# --- config.json and adapter_config.json --------------------------------------------------------
+
+HF_COMMON = {"vocab_size": 160, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+             "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "torch_dtype": "float32"}
+hf_configs = [
+    {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **HF_COMMON, "rope_theta": 500000.0,
+     "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32}},
+    {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **HF_COMMON, "rope_theta": 1000000.0,
+     "use_sliding_window": False, "sliding_window": 4096, "tie_word_embeddings": False},
+    {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **HF_COMMON, "head_dim": 24,
+     "attention_bias": False, "eos_token_id": [2, 3], "pad_token_id": 0, "tie_word_embeddings": True},
+    # transformers 5: rope_theta and the scaling folded into rope_parameters.
+    {"model_type": "llama", **HF_COMMON, "tie_word_embeddings": True,
+     "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}},
+]
+for c in hf_configs:
+    seed("model_config", json.dumps(c, indent=2))
+for p in files(FIXTURES, "hf_models/*/config.json"):
+    seed("model_config", p.read_bytes())
+seed("model_config", json.dumps(hf_configs[0])[:-1] + ', "quantization_config": ' + "[" * 80 + "]" * 80 + "}")
+dictionary("model_config", ['"architectures"', '"model_type"', '"vocab_size"', '"hidden_size"', '"intermediate_size"',
+                            '"num_hidden_layers"', '"num_attention_heads"', '"num_key_value_heads"', '"head_dim"',
+                            '"max_position_embeddings"', '"rms_norm_eps"', '"rope_theta"', '"rope_scaling"',
+                            '"rope_parameters"', '"rope_type"', '"type"', '"factor"', '"low_freq_factor"',
+                            '"high_freq_factor"', '"original_max_position_embeddings"', '"tie_word_embeddings"',
+                            '"attention_bias"', '"mlp_bias"', '"hidden_act"', '"use_sliding_window"', '"bos_token_id"',
+                            '"eos_token_id"', '"pad_token_id"', '"LlamaForCausalLM"', '"Qwen2ForCausalLM"',
+                            '"Qwen3ForCausalLM"', '"llama"', '"qwen2"', '"qwen3"', '"llama3"', '"default"', '"silu"',
+                            "9223372036854775807", "9223372036854775808", "4611686018427387904", "4294967296",
+                            "2147483648", "-1", "0", "1e309", "1e-320",
+                            "null", "true", "false", "[]", "{}"])
+
+adapter_configs = [
+    {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "r": 8, "lora_alpha": 16,
+     "lora_dropout": 0.1, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "use_rslora": False,
+     "bias": "none", "fan_in_fan_out": False, "use_dora": False, "lora_bias": False, "init_lora_weights": True,
+     "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
+     "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None, "revision": None},
+    {"peft_type": "LORA", "r": 2, "lora_alpha": 4.5, "use_rslora": True,
+     "target_modules": ["gate_proj", "up_proj", "down_proj"], "layer_replication": [], "target_parameters": []},
+]
+for c in adapter_configs:
+    seed("adapter_config", json.dumps(c, indent=2))
+for p in files(FIXTURES, "lora/*/adapter_config.json"):
+    seed("adapter_config", p.read_bytes())
+seed("adapter_config", json.dumps(adapter_configs[1])[:-1] + ', "modules_to_save": ' + "[" * 80 + "]" * 80 + "}")
+dictionary("adapter_config", ['"peft_type"', '"LORA"', '"r"', '"lora_alpha"', '"lora_dropout"', '"target_modules"',
+                              '"use_rslora"', '"bias"', '"none"', '"all"', '"use_dora"', '"fan_in_fan_out"',
+                              '"lora_bias"', '"rank_pattern"', '"alpha_pattern"', '"layers_to_transform"',
+                              '"modules_to_save"', '"exclude_modules"', '"layer_replication"',
+                              '"trainable_token_indices"', '"target_parameters"', '"q_proj"', '"down_proj"',
+                              "9223372036854775808", "4611686018427387904", "-1", "0", "1e309", "0.99999999999999999",
+                              "null", "true",
+                              "[]", "{}"])
+
 # --- GGUF ---------------------------------------------------------------------------------------
 
 GGUF_STRING, GGUF_ARRAY, GGUF_UINT32, GGUF_INT32 = 8, 9, 4, 5
