@@ -2,6 +2,7 @@
 // (in `source`) and ignored; keys it uses are type- and range-checked with the key named.
 #include "policy/model_config.hpp"
 
+#include <algorithm>
 #include <fstream>
 
 #include "policy/error.hpp"
@@ -10,6 +11,8 @@ namespace troupe {
 namespace {
 
 using nlohmann::json;
+
+constexpr int kMaxDepth = 64;  // nesting of config.json (real ones nest three or four levels)
 
 struct Reader {
   const json& j;
@@ -159,8 +162,19 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view origin) {
 ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
   std::ifstream in(path);
   if (!in) throw Error(path.string() + ": cannot open config file");
-  json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  int depth = 0;
+  const auto deepest = [&](int d, json::parse_event_t event, json&) {
+    if (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start)
+      depth = std::max(depth, d + 1);
+    return true;
+  };
+  json j = json::parse(in, deepest, /*allow_exceptions=*/false);
   if (j.is_discarded()) throw Error(path.string() + ": not valid JSON");
+  // The whole file is kept (source) and written back on save, and copies and dump() recurse once
+  // per level: nesting far beyond any real config's would overflow the stack.
+  if (depth > kMaxDepth)
+    throw Error(path.string() + ": JSON nested " + std::to_string(depth) + " levels deep (at most " +
+                std::to_string(kMaxDepth) + ")");
   return from_json(j, path.string());
 }
 

@@ -189,3 +189,11 @@ TEST_CASE("config.json errors name the file and the key") {
   CHECK_THROWS_WITH_AS(ModelConfig::from_file(write("{not json")), doctest::Contains("config.json: not valid JSON"), Error);
   CHECK_THROWS_WITH_AS(ModelConfig::from_file(dir / "missing.json"), doctest::Contains("missing.json: cannot open"), Error);
 }
+
+TEST_CASE("config.json nested deeper than any real config is an error naming the file (a tests/fuzz/ reproducer)") {
+  // The config is kept whole and written back on save; copying it recursed once per level, and an
+  // unused key nested 16k deep overflowed the stack.
+  const auto path = test::source() / "tests/fuzz/regressions/model_config/deep_unused_key.json";
+  const std::string message = path.string() + ": JSON nested 16385 levels deep (at most 64)";
+  CHECK_THROWS_WITH_AS(ModelConfig::from_file(path), message.c_str(), Error);
+}
