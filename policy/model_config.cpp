@@ -3,7 +3,9 @@
 #include "policy/model_config.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <fstream>
+#include <utility>
 
 #include "policy/error.hpp"
 
@@ -13,6 +15,7 @@ namespace {
 using nlohmann::json;
 
 constexpr int kMaxDepth = 64;  // nesting of config.json (real ones nest three or four levels)
+constexpr int64_t kMaxSize = INT32_MAX;
 
 struct Reader {
   const json& j;
@@ -133,6 +136,17 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view origin) {
   c.head_dim = r.integer_or("head_dim", c.hidden_size / c.num_attention_heads, 2);
   if (c.head_dim % 2 != 0) r.fail("head_dim", "must be even for rotary embeddings");
   c.max_position_embeddings = r.integer_or("max_position_embeddings", 4096, 1);
+  // The model multiplies these in int64 (heads * head_dim, a weight's rows * columns); within
+  // int32, as every real model is, no product of two can overflow.
+  for (const auto& [key, value] : {std::pair<const char*, int64_t>{"vocab_size", c.vocab_size},
+                                   {"hidden_size", c.hidden_size},
+                                   {"intermediate_size", c.intermediate_size},
+                                   {"num_hidden_layers", c.num_hidden_layers},
+                                   {"num_attention_heads", c.num_attention_heads},
+                                   {"num_key_value_heads", c.num_key_value_heads},
+                                   {"head_dim", c.head_dim},
+                                   {"max_position_embeddings", c.max_position_embeddings}})
+    if (value > kMaxSize) r.fail(key, "must be at most " + std::to_string(kMaxSize) + ", got " + std::to_string(value));
   c.rms_norm_eps = r.number_or("rms_norm_eps", 1e-6);
   c.tie_word_embeddings = r.boolean_or("tie_word_embeddings", false);
   read_rope(r, c);

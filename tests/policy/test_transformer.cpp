@@ -197,3 +197,10 @@ TEST_CASE("config.json nested deeper than any real config is an error naming the
   const std::string message = path.string() + ": JSON nested 16385 levels deep (at most 64)";
   CHECK_THROWS_WITH_AS(ModelConfig::from_file(path), message.c_str(), Error);
 }
+
+TEST_CASE("config.json sizes past int32's range are errors naming the key (a tests/fuzz/ reproducer)") {
+  // head_dim 2^62 with 4 heads was accepted: the attention layer's heads * head_dim overflowed int64.
+  const auto path = test::source() / "tests/fuzz/regressions/model_config/heads_times_head_dim_overflow.json";
+  const std::string message = path.string() + ": key 'head_dim' must be at most 2147483647, got 4611686018427387904";
+  CHECK_THROWS_WITH_AS(ModelConfig::from_file(path), message.c_str(), Error);
+}
