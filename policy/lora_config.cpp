@@ -2,6 +2,7 @@
 // so that nothing here needs LibTorch.
 #include "policy/lora_config.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -15,6 +16,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+constexpr int kMaxDepth = 64;  // nesting of adapter_config.json (PEFT's nest two or three levels)
+
 std::string text(double x) {
   std::ostringstream s;
   s << x;
@@ -24,8 +27,18 @@ std::string text(double x) {
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
   if (!in) throw Error(path.string() + ": cannot open (is this a PEFT adapter folder?)");
-  auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  int depth = 0;
+  const auto deepest = [&](int d, nlohmann::json::parse_event_t event, nlohmann::json&) {
+    using E = nlohmann::json::parse_event_t;
+    if (event == E::object_start || event == E::array_start) depth = std::max(depth, d + 1);
+    return true;
+  };
+  auto j = nlohmann::json::parse(in, deepest, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) throw Error(path.string() + ": not a JSON object");
+  // An option troupe refuses is quoted with dump(), which recurses once per level of nesting.
+  if (depth > kMaxDepth)
+    throw Error(path.string() + ": JSON nested " + std::to_string(depth) + " levels deep (at most " +
+                std::to_string(kMaxDepth) + ")");
   return j;
 }
 

@@ -434,3 +434,11 @@ TEST_CASE("bad adapter folders give errors naming the file; the model is left as
   CHECK_THROWS_WITH_AS(save_peft_adapter(*fresh.model, {.rank = 4, .alpha = 8, .target_modules = {"q_proj"}}, tmp / "out"),
                        doctest::Contains("has an adapter the config does not target"), Error);
 }
+
+TEST_CASE("adapter_config.json nested deeper than PEFT writes is an error naming the file (a tests/fuzz/ reproducer)") {
+  // A refused option is quoted with dump(), which recursed once per level: a "bias" nested 16k
+  // deep overflowed the stack.
+  const auto path = test::source() / "tests/fuzz/regressions/adapter_config/deep_bias.json";
+  const std::string message = path.string() + ": JSON nested 16385 levels deep (at most 64)";
+  CHECK_THROWS_WITH_AS(read_adapter_config(path), message.c_str(), Error);
+}
