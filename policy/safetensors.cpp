@@ -410,9 +410,11 @@ Checkpoint Checkpoint::open_dir(const fs::path& dir) {
     if (!shard_j.is_string())
       throw error(index_path, "weight_map entry for tensor " + squote(tensor) + " is not a file name string");
     std::string shard = shard_j.get<std::string>();
-    // A plain name in this folder: an index must not make us open files elsewhere.
-    if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos)
-      throw error(index_path, "weight_map sends tensor " + squote(tensor) + " to " + squote(shard) +
+    // A plain name in this folder: an index must not make us open files elsewhere. A NUL byte ends
+    // the name the system sees (a name of a, NUL, b opened a), so the name is shown JSON-escaped.
+    if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos ||
+        shard.find('\0') != std::string::npos)
+      throw error(index_path, "weight_map sends tensor " + squote(tensor) + " to " + json(shard).dump() +
                                   ", which is not a file name in this folder");
     tensors_by_shard[shard].push_back(tensor);
   }

@@ -575,6 +575,19 @@ TEST_CASE("Checkpoint::open_dir names the folder or index and the problem") {
     write_index(index);
     check_error(open, index_path, "not a file name in this folder");
   }
+  SUBCASE("a shard name with a NUL byte, which opened the name before the NUL (a tests/fuzz/ reproducer)") {
+    // The reproducer is fuzz_safetensors_index's input: the index, NUL, the shard's header, whose
+    // one tensor takes 3 data bytes. Written as the harness writes it, the shard is there to open.
+    const std::string input =
+        read_bytes(troupe::test::source() / "tests/fuzz/regressions/safetensors_index/shard_name_with_nul");
+    const size_t nul = input.find('\0');
+    REQUIRE(nul != std::string::npos);
+    write_bytes(index_path, input.substr(0, nul));
+    make_file(dir / "model-00001-of-00002.safetensors", input.substr(nul + 1), 3);
+    check_error(open, index_path,
+                "weight_map sends tensor 'w' to \"model-00001-of-00002.safetensors\\u0000x\", which is not a file name "
+                "in this folder");
+  }
   SUBCASE("invalid or incomplete index") {
     write_bytes(index_path, "{\"weight_map\": {");
     check_error(open, index_path, "not valid JSON");
