@@ -5,6 +5,7 @@
 #include <string>
 
 #include <ATen/ATen.h>
+#include <torch/nn/functional/linear.h>
 
 namespace troupe::kernels {
 namespace {
@@ -35,7 +36,8 @@ Int4Groups int4_groups(const torch::Tensor& w) {
 }  // namespace
 
 int64_t QuantizedWeight::bytes() const {
-  return defined() ? packed.numel() * packed.element_size() + scales.numel() * scales.element_size() : 0;
+  auto size = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : int64_t{0}; };
+  return size(packed) + size(scales) + size(dequantized);
 }
 
 bool quantized_weight_fits(int64_t bits, int64_t out_features, int64_t in_features, torch::Device device,
@@ -63,7 +65,9 @@ QuantizedWeight quantize_weight(const torch::Tensor& weight, int64_t bits, torch
               "quantized weights take float32 or bfloat16 activations, not ", activations);
   torch::NoGradGuard no_grad;
   QuantizedWeight out{.bits = bits, .out_features = N, .in_features = K};
-  if (bits == 8) {
+  if (activations == torch::kFloat32) {
+    out.dequantized = fake_quantize_reference(weight, bits).contiguous();
+  } else if (bits == 8) {
     auto [q, scales] = int8_rows(weight);
     out.packed = q.to(torch::kInt8).contiguous();
     out.scales = scales.to(activations).contiguous();
@@ -82,6 +86,9 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedWeight& we
   TORCH_CHECK(weight.defined(), "quantized_linear: no quantized weight");
   TORCH_CHECK(x.size(-1) == weight.in_features, "quantized_linear: x ", x.sizes(), " against a weight of ",
               weight.in_features, " inputs");
+  if (weight.dequantized.defined())
+    return torch::nn::functional::linear(x.to(torch::kFloat32), weight.dequantized,
+                                         bias.defined() ? bias.to(torch::kFloat32) : bias).to(x.scalar_type());
   auto rows = x.reshape({-1, weight.in_features}).to(weight.scales.scalar_type()).contiguous();  // (M, K)
   torch::Tensor y;                                                                                 // (M, N)
   if (weight.bits == 8)

@@ -1,7 +1,10 @@
 // Weight-only quantized linear layers for generation (generator.weights: int8 | int4): weights in
-// 8 or 4 bits with float scales, activations in float; the GEMMs are ATen's own CPU kernels
-// (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu, as gpt-fast uses them). No autograd: the
-// quantized copy is made from float weights (the trainer's, at every sync) and only read.
+// 8 or 4 bits with float scales. With bfloat16 activations the GEMMs are ATen's own packed CPU
+// kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu, as gpt-fast uses them), which read
+// a quarter or an eighth of float32's bytes. Those kernels are scalar for float32 activations (7x
+// slower than MKL here), so there the weight is kept dequantized in float32 and MKL multiplies:
+// the same quantized policy, at float32's speed. No autograd: the copy is made from float weights
+// (the trainer's, at every sync) and only read.
 #pragma once
 
 #include <cstdint>
@@ -18,12 +21,14 @@ inline constexpr int64_t kInt4Group = 32;
 
 // One [N, K] weight in a quantized format, laid out for its ATen kernel.
 struct QuantizedWeight {
-  int64_t bits = 0;      // 8 or 4; 0: none
-  torch::Tensor packed;  // int8: [N, K] int8; int4: ATen's CPU int4 pack of [N', K] (uint8), N' = N rounded up to 16
-  torch::Tensor scales;  // int8: [N]; int4: [K / group, N', 2] (scale, zero); in the activations' dtype
+  int64_t bits = 0;  // 8 or 4; 0: none
+  // bfloat16 activations: int8: [N, K] int8; int4: ATen's CPU int4 pack of [N', K] (uint8),
+  // N' = N rounded up to 16. Scales: int8 [N]; int4 [K / group, N', 2] (scale, zero), bfloat16.
+  torch::Tensor packed, scales;
+  torch::Tensor dequantized;  // float32 activations: [N, K] float32, the weight the rounding gives
   int64_t out_features = 0, in_features = 0;
 
-  bool defined() const { return packed.defined(); }
+  bool defined() const { return packed.defined() || dequantized.defined(); }
   int64_t bytes() const;  // what one GEMM reads of the weight: packed plus scales
 };
 
