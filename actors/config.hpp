@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "generator/partial_rollouts.hpp"
+#include "policy/weight_format.hpp"
 #include "policy/named.hpp"
 #include "trainer/rl_options.hpp"
 
@@ -102,6 +103,9 @@ struct GeneratorSection {
   // builtin: the engines' weights and compute; auto: model.dtype's. bfloat16 under a float32
   // trainer gives the train/rollout mismatch that trainer.loss.correction is for.
   ModelDtype dtype = ModelDtype::automatic;
+  // builtin: the GEMM weights engines decode with: full (generator.dtype), or weight-only int8 /
+  // int4 (CPU), requantized at every sync; the behaviour log-probs are the quantized policy's.
+  WeightFormat weights = WeightFormat::full;
   std::string url;                         // remote only: the server's base URL, http(s)://host:port
   // remote only: how new weights reach the server, in vLLM 0.33.0's routes. reload: a safetensors
   // folder and /collective_rpc reload_weights (any vLLM with VLLM_SERVER_DEV_MODE=1, and troupe

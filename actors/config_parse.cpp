@@ -261,6 +261,17 @@ void check_across(Map& top, RunConfig& c, bool data_seeded) {
                            "needs model.device cpu and model.dtype float32, float64 or auto (the batch-invariant kernels "
                            "are CPU float32/float64), got device " + c.model.device + ", dtype " +
                                std::string(to_string(c.model.dtype)));
+  // Weight-only quantized engines: ATen's int8/int4 GEMMs are CPU kernels over float32 or bfloat16
+  // activations, and the batch-invariant kernels take float weights.
+  if (c.generator.weights != WeightFormat::full) {
+    Map g = top.map("generator");
+    const auto dtype = c.generator.dtype == ModelDtype::automatic ? c.model.dtype : c.generator.dtype;
+    g.check(c.model.device == "cpu", "weights", "int8 and int4 engines run on the CPU, got model.device " + c.model.device);
+    g.check(dtype != ModelDtype::float64, "weights",
+            "int8 and int4 engines take float32 or bfloat16 activations, got " + std::string(to_string(dtype)));
+    g.check(!c.model.batch_invariant, "weights",
+            "not with model.batch_invariant (its kernels take float weights): use generator.weights full");
+  }
   check_reuse(top, c);
   // Dynamic sampling drops groups whose rewards tie, which one completion always does.
   if (c.trainer.dynamic_sampling)

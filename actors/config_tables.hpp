@@ -67,6 +67,7 @@ void fields(auto& v, Of<GeneratorSection> auto& c) {
   v("count", c.count, at_least(1));
   v("engine", c.engine);
   v("dtype", c.dtype, OnlyWhen{c.engine == EngineKind::builtin, "only used with engine: builtin (a server keeps its own)"});
+  v("weights", c.weights, OnlyWhen{c.engine == EngineKind::builtin, "only used with engine: builtin (a server keeps its own)"});
   v("url", c.url, OmitIfEmpty{});
   v("weight_transfer", c.weight_transfer, OnlyWhen{c.engine == EngineKind::remote, "only used with engine: remote"},
     TextRule{[](const std::string& s) { return one_of(s, {"reload", "disk"}); },

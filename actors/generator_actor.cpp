@@ -25,7 +25,13 @@ void from_json(const nlohmann::json& j, PartialRollouts& p) {
   if (!value) throw Error("partial_rollouts: unknown mode " + j.dump());
   p = *value;
 }
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineOptions, max_batch, max_seq_len, partial_rollouts, batch_invariant, seed)
+void to_json(nlohmann::json& j, WeightFormat w) { j = std::string(to_string(w)); }
+void from_json(const nlohmann::json& j, WeightFormat& w) {
+  auto value = from_name<WeightFormat>(j.get<std::string>());
+  if (!value) throw Error("weights: unknown format " + j.dump());
+  w = *value;
+}
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineOptions, max_batch, max_seq_len, partial_rollouts, batch_invariant, weights, seed)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(SamplingParams, n, temperature, top_p, top_k, min_p, max_tokens, stop_token_ids, stop,
                                    include_stop_str_in_output, ignore_eos)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(GeneratorSpec, model, tokenizer, dtype, device, engine, sampling, seed, deterministic,

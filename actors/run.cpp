@@ -113,6 +113,7 @@ void set_generation(GraphSpec& spec, const RunConfig& c) {
   spec.generator_device = c.model.device;
   spec.engine = {.max_batch = c.generator.max_batch, .max_seq_len = c.generator.max_seq_len,
                  .partial_rollouts = c.generator.partial_rollouts, .batch_invariant = c.model.batch_invariant,
+                 .weights = c.generator.weights,
                  .seed = c.run.seed};
   spec.sampling = {.n = c.generator.group_size, .temperature = c.generator.temperature, .top_p = c.generator.top_p,
                    .top_k = c.generator.top_k, .min_p = c.generator.min_p, .max_tokens = c.generator.max_tokens,

@@ -370,6 +370,8 @@ int main(int argc, char** argv) {
   ppl_cmd->add_option("--batch-size", ppl_batch, "Texts per forward pass")->check(CLI::Range(1, 4096));
   ppl_cmd->add_option("--max-length", ppl_max_length, "Cut texts to this many tokens")->check(CLI::Range(2, 1 << 20));
   ppl_cmd->add_option("--dtype", ppl_dtype, "auto, float32, bfloat16 or float16 (auto: bfloat16 only where computed natively)");
+  std::string ppl_weights = "full";
+  ppl_cmd->add_option("--weights", ppl_weights, "full, int8 or int4: the GEMM weights (as generator.weights)");
 
   Gsm8kEvalOptions g8k;
   std::string g8k_model, g8k_dtype = "float32";
@@ -494,7 +496,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*ppl_cmd) {
+      auto weights = from_name<WeightFormat>(ppl_weights);
+      if (!weights) throw Error("--weights " + ppl_weights + ": expected full, int8 or int4");
       auto m = load_model(ppl_model, {.dtype = parse_dtype(ppl_dtype)});
+      m.model->eval();
+      m.model->keep_fused_weights(true);  // quantized once, not per batch
+      m.model->set_weight_format(*weights);
       auto texts = read_jsonl_field(ppl_data, ppl_field, ppl_limit);
       auto r = perplexity(*m.model, require_tokenizer(m), texts, ppl_batch, ppl_max_length);
       std::cout << "texts: " << texts.size() << "\ntokens: " << r.tokens << "\nmean_nll: " << r.mean_nll

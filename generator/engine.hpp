@@ -50,6 +50,9 @@ struct EngineOptions {
   // Batch-invariant kernels (CPU, float32 or float64): each sequence's log-probs are bit for bit
   // those of a full forward pass over it (model.batch_invariant), whatever shares the batch.
   bool batch_invariant = false;
+  // The GEMM weights decoding reads (generator.weights): the model's own, or a weight-only int8 /
+  // int4 copy, requantized after each update_weights; log-probs are the quantized policy's.
+  WeightFormat weights = WeightFormat::full;
   uint64_t seed = 0;          // for requests without their own seed
 };
 

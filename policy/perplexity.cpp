@@ -40,7 +40,18 @@ PerplexityResult perplexity(TransformerImpl& model, const Tokenizer& tokenizer, 
     auto positions = positions_from_mask(mask);
     auto hidden = model.forward(ids, positions, attention_mask_unless_causal(mask, positions));  // (B, T, H)
     auto targets = ids.narrow(1, 1, T - 1);
-    auto logp = kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), targets);  // (B, T-1)
+    torch::Tensor logp;  // (B, T-1)
+    if (model.weight_format() == WeightFormat::full) {
+      logp = kernels::token_logprobs(hidden.narrow(1, 0, T - 1), model.lm_head_weight(), targets);
+    } else {  // the LM head in the model's quantized format, 64 positions of logits at a time
+      std::vector<torch::Tensor> parts;
+      for (int64_t t = 0; t < T - 1; t += 64) {
+        const int64_t n = std::min<int64_t>(64, T - 1 - t);
+        auto logits = model.logits(hidden.narrow(1, t, n)).to(torch::kFloat32);  // (B, n, V)
+        parts.push_back(torch::log_softmax(logits, -1).gather(-1, targets.narrow(1, t, n).unsqueeze(-1)).squeeze(-1));
+      }
+      logp = torch::cat(parts, 1);
+    }
     auto valid = mask.narrow(1, 1, T - 1).to(torch::kBool);
     nll -= logp.masked_select(valid).sum().item<double>();
     count += valid.sum().item<int64_t>();

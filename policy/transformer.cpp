@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "kernels/batch_invariant.hpp"
+#include "policy/error.hpp"
 
 namespace troupe {
 
@@ -111,27 +112,54 @@ torch::Tensor Projection::add_lora(const torch::Tensor& y, const torch::Tensor& 
   return (y + delta).to(y.scalar_type());
 }
 
-std::pair<torch::Tensor, torch::Tensor> FusedWeights::get(std::initializer_list<const Projection*> parts) {
-  // Called without autograd only (see AttentionImpl::forward).
-  std::vector<std::pair<const void*, int64_t>> key;
-  if (keep) {
-    for (const auto* p : parts)
-      for (const auto& t : {p->base->weight, p->base->bias})
-        if (t.defined()) key.emplace_back(t.data_ptr(), t._version());
-    if (weight_.defined() && key == key_) return {weight_, bias_};
-  }
+torch::Tensor GemmWeights::apply(const torch::Tensor& x, std::initializer_list<const Projection*> parts,
+                                 bool invariant) {
   std::vector<torch::Tensor> weights, biases;
   for (const auto* p : parts) {
     weights.push_back(p->base->weight);
     if (p->base->bias.defined()) biases.push_back(p->base->bias);
   }
-  auto weight = torch::cat(weights);
-  auto bias = biases.empty() ? torch::Tensor() : torch::cat(biases);
-  // Kept, or nothing stale held once keeping is turned off.
-  weight_ = keep ? weight : torch::Tensor();
-  bias_ = keep ? bias : torch::Tensor();
-  key_ = std::move(key);
-  return {weight, bias};
+  return apply(x, weights, biases, invariant);
+}
+
+torch::Tensor GemmWeights::apply(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                                 const std::vector<torch::Tensor>& biases, bool invariant) {
+  // Called without autograd only (see AttentionImpl::forward).
+  auto size = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : int64_t{0}; };
+  auto join = [](const std::vector<torch::Tensor>& ts) {
+    return ts.empty() ? torch::Tensor() : ts.size() == 1 ? ts[0] : torch::cat(ts);
+  };
+  if (format == WeightFormat::full && weights.size() == 1) {  // used as it is: nothing to keep
+    weight_ = bias_ = torch::Tensor();
+    bytes_ = size(weights[0]) + size(join(biases));
+    return gemm(x, weights[0], join(biases), invariant);
+  }
+  std::vector<std::pair<const void*, int64_t>> key;
+  for (const auto& t : weights) key.emplace_back(t.data_ptr(), t._version());
+  for (const auto& t : biases) key.emplace_back(t.data_ptr(), t._version());
+  const bool fresh = keep && key == key_ && (weight_.defined() || quantized_.defined());
+  if (!fresh) {
+    auto weight = join(weights);
+    bias_ = join(biases);
+    if (format == WeightFormat::full) {
+      weight_ = weight;
+      quantized_ = {};
+    } else {
+      TORCH_CHECK(!invariant, "batch-invariant kernels take float weights, not ", to_string(format));
+      quantized_ = kernels::quantize_weight(weight, weight_bits(format), x.scalar_type());
+      weight_ = torch::Tensor();
+    }
+    key_ = std::move(key);
+  }
+  torch::Tensor y = format == WeightFormat::full ? gemm(x, weight_, bias_, invariant)
+                                                         : kernels::quantized_linear(x, quantized_, bias_);
+  bytes_ = (format == WeightFormat::full ? size(weight_) : quantized_.bytes()) + size(bias_);
+  if (!keep) {  // nothing stale held
+    weight_ = bias_ = torch::Tensor();
+    quantized_ = {};
+    key_.clear();
+  }
+  return y;
 }
 
 AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t layer)
@@ -150,7 +178,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
                                      const torch::Tensor& mask, KVCache* cache) {
   const int64_t B = x.size(0), T = x.size(1);
   // Without autograd (generation, log-probs), q, k and v in one GEMM over the concatenated
-  // weights (FusedWeights): one large GEMM runs closer to peak on a CPU than three small ones
+  // weights (GemmWeights): one large GEMM runs closer to peak on a CPU than three small ones
   // (about 10% of a decode step). With autograd, three GEMMs: their rows (batch x length) are
   // many, and the concatenated weight and its gradient would cost memory and copies.
   // LoRA adapters add their terms to their own slices.
@@ -160,8 +188,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     qkv = {q_proj_.base->forward(x), k_proj_.base->forward(x), v_proj_.base->forward(x)};
   } else {
     // (Batch-invariant: each output is its own dot product, so fusing changes no bit.)
-    auto [w_qkv, b_qkv] = qkv_.get({&q_proj_, &k_proj_, &v_proj_});
-    qkv = gemm(x, w_qkv, b_qkv, invariant).split({n_heads_ * head_dim_, n_kv_heads_ * head_dim_, n_kv_heads_ * head_dim_}, -1);
+    qkv = qkv_.apply(x, {&q_proj_, &k_proj_, &v_proj_}, invariant).split({n_heads_ * head_dim_, n_kv_heads_ * head_dim_, n_kv_heads_ * head_dim_}, -1);
   }
   const bool train = is_training();
   auto q = q_proj_.add_lora(qkv[0], x, train).view({B, T, n_heads_, head_dim_});     // (B, T, nh, hd)
@@ -213,7 +240,9 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     out = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal, scale,
                                            /*enable_gqa=*/n_kv_heads_ != n_heads_);  // (B, nh, T, hd)
   }
-  return project(o_proj_, out.transpose(1, 2).reshape({B, T, n_heads_ * head_dim_}), train, invariant);
+  out = out.transpose(1, 2).reshape({B, T, n_heads_ * head_dim_});  // (B, T, nh * hd)
+  return torch::GradMode::is_enabled() ? project(o_proj_, out, train, invariant)
+                                       : o_proj_.add_lora(o_.apply(out, {&o_proj_}, invariant), out, train);
 }
 
 void AttentionImpl::set_batch_invariant(bool on) {
@@ -244,12 +273,13 @@ torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   if (torch::GradMode::is_enabled()) {
     gate_up = {gate_proj_.base->forward(x), up_proj_.base->forward(x)};
   } else {
-    auto [w_gate_up, b_gate_up] = gate_up_.get({&gate_proj_, &up_proj_});
-    gate_up = gemm(x, w_gate_up, b_gate_up, invariant).chunk(2, -1);
+    gate_up = gate_up_.apply(x, {&gate_proj_, &up_proj_}, invariant).chunk(2, -1);
   }
   const bool train = is_training();
   auto gate = gate_proj_.add_lora(gate_up[0], x, train), up = up_proj_.add_lora(gate_up[1], x, train);
-  return project(down_proj_, invariant ? kernels::bi_silu_mul(gate, up) : F::silu(gate) * up, train, invariant);
+  auto h = invariant ? kernels::bi_silu_mul(gate, up) : F::silu(gate) * up;
+  return torch::GradMode::is_enabled() ? project(down_proj_, h, train, invariant)
+                                       : down_proj_.add_lora(down_.apply(h, {&down_proj_}, invariant), h, train);
 }
 
 void MLPImpl::projections(const std::string& prefix, ProjectionList& out) {
@@ -296,6 +326,16 @@ void DecoderImpl::keep_fused_weights(bool on) {
   for (size_t l = 0; l < layers_->size(); ++l) layers_->ptr<DecoderLayerImpl>(l)->keep_fused_weights(on);
 }
 
+void DecoderImpl::set_weight_format(WeightFormat f) {
+  for (size_t l = 0; l < layers_->size(); ++l) layers_->ptr<DecoderLayerImpl>(l)->set_weight_format(f);
+}
+
+int64_t DecoderImpl::gemm_bytes() const {
+  int64_t total = 0;
+  for (size_t l = 0; l < layers_->size(); ++l) total += layers_->ptr<DecoderLayerImpl>(l)->gemm_bytes();
+  return total;
+}
+
 void DecoderImpl::set_batch_invariant(bool on) {
   invariant_ = on;
   norm_->set_batch_invariant(on);
@@ -320,7 +360,29 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const torch::Te
   return model_(ids, positions, mask, cache);
 }
 
-void TransformerImpl::keep_fused_weights(bool on) { model_->keep_fused_weights(on); }
+void TransformerImpl::keep_fused_weights(bool on) {
+  model_->keep_fused_weights(on);
+  lm_head_gemm_.keep = on;
+}
+
+void TransformerImpl::set_weight_format(WeightFormat format) {
+  if (format != WeightFormat::full) {
+    if (invariant_) throw Error("model.batch_invariant takes float weights, not " + std::string(to_string(format)));
+    auto device = lm_head_weight().device();
+    std::string why;
+    auto check = [&](const std::string& name, const torch::Tensor& w) {
+      if (!kernels::quantized_weight_fits(weight_bits(format), w.size(0), w.size(1), device, &why))
+        throw Error(name + " [" + std::to_string(w.size(0)) + ", " + std::to_string(w.size(1)) + "] cannot be " +
+                    std::string(to_string(format)) + ": " + why);
+    };
+    for (const auto& [name, p] : projections()) check(name + ".weight", p->base->weight);
+    check(lm_head_ ? "lm_head.weight" : "lm_head.weight (tied to model.embed_tokens.weight)", lm_head_weight());
+  }
+  model_->set_weight_format(format);
+  lm_head_gemm_.format = format;
+}
+
+int64_t TransformerImpl::gemm_weight_bytes() const { return model_->gemm_bytes() + lm_head_gemm_.bytes(); }
 
 void TransformerImpl::set_batch_invariant(bool on) {
   invariant_ = on;
@@ -344,7 +406,9 @@ torch::Tensor TransformerImpl::lm_head_weight() {
 }
 
 torch::Tensor TransformerImpl::logits(const torch::Tensor& hidden) {
-  return gemm(hidden, lm_head_weight(), {}, batch_invariant_now(invariant_, hidden));
+  const bool invariant = batch_invariant_now(invariant_, hidden);
+  if (torch::GradMode::is_enabled()) return gemm(hidden, lm_head_weight(), {}, invariant);
+  return lm_head_gemm_.apply(hidden, {lm_head_weight()}, {}, invariant);
 }
 
 torch::Tensor positions_from_mask(const torch::Tensor& token_mask) {

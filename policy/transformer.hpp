@@ -14,7 +14,9 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include "kernels/weight_only.hpp"
 #include "policy/model_config.hpp"
+#include "policy/weight_format.hpp"
 
 namespace troupe {
 
@@ -87,19 +89,27 @@ struct Projection {
   }
 };
 
-// Several projections' weights concatenated for one GEMM (q/k/v, gate/up) in forward passes
-// without autograd: one large GEMM runs closer to peak than three small ones. Rebuilt on every
-// call, unless `keep` is on (generation engines: weights change only between steps); then kept
-// until a weight changes, seen by a new data pointer or a moved version counter (an optimizer
-// step, Engine::update_weights, load_weights all write in place).
-struct FusedWeights {
+// The weights of one GEMM of forward passes without autograd, y = x W^T + b: one projection's,
+// or several concatenated along the output dimension (q/k/v, gate/up), since one large GEMM runs
+// closer to peak than three small ones; in float, or quantized (kernels/weight_only.hpp) for
+// generation engines. A concatenation or quantized copy is rebuilt on every call unless `keep` is
+// on (engines: weights change only between steps); then kept until a weight changes, seen by a new
+// data pointer or a moved version counter (an optimizer step, Engine::update_weights and
+// load_weights all write in place). A quantized format keeps no float concatenation.
+struct GemmWeights {
   bool keep = false;
-  // (weight, bias) of `parts` concatenated along the output dimension; bias undefined when
-  // the projections have none.
-  std::pair<torch::Tensor, torch::Tensor> get(std::initializer_list<const Projection*> parts);
+  WeightFormat format = WeightFormat::full;
+
+  // x [..., in] -> [..., sum of the parts' out]; `invariant`: the batch-invariant GEMM (full only).
+  torch::Tensor apply(const torch::Tensor& x, std::initializer_list<const Projection*> parts, bool invariant);
+  torch::Tensor apply(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                      const std::vector<torch::Tensor>& biases, bool invariant);
+  int64_t bytes() const { return bytes_; }  // what the last GEMM read of its weights (and biases)
 
  private:
-  torch::Tensor weight_, bias_;
+  int64_t bytes_ = 0;
+  torch::Tensor weight_, bias_;          // the float concatenation (format full, several parts)
+  kernels::QuantizedWeight quantized_;  // format int8 or int4
   std::vector<std::pair<const void*, int64_t>> key_;  // each weight's data pointer and version
 };
 
@@ -112,14 +122,16 @@ class AttentionImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask, KVCache* cache);
   void projections(const std::string& prefix, ProjectionList& out);
-  void keep_fused_weights(bool on) { qkv_.keep = on; }
+  void keep_fused_weights(bool on) { qkv_.keep = o_.keep = on; }
+  void set_weight_format(WeightFormat f) { qkv_.format = o_.format = f; }
+  int64_t gemm_bytes() const { return qkv_.bytes() + o_.bytes(); }
   void set_batch_invariant(bool on);
 
  private:
   int64_t layer_, n_heads_, n_kv_heads_, head_dim_;
   Projection q_proj_, k_proj_, v_proj_, o_proj_;
   RMSNorm q_norm_{nullptr}, k_norm_{nullptr};
-  FusedWeights qkv_;
+  GemmWeights qkv_, o_;
   bool invariant_ = false;
 };
 TORCH_MODULE(Attention);
@@ -129,12 +141,14 @@ class MLPImpl : public torch::nn::Module {
   explicit MLPImpl(const ModelConfig& config);
   torch::Tensor forward(const torch::Tensor& x);
   void projections(const std::string& prefix, ProjectionList& out);
-  void keep_fused_weights(bool on) { gate_up_.keep = on; }
+  void keep_fused_weights(bool on) { gate_up_.keep = down_.keep = on; }
+  void set_weight_format(WeightFormat f) { gate_up_.format = down_.format = f; }
+  int64_t gemm_bytes() const { return gate_up_.bytes() + down_.bytes(); }
   void set_batch_invariant(bool on) { invariant_ = on; }
 
  private:
   Projection gate_proj_, up_proj_, down_proj_;
-  FusedWeights gate_up_;
+  GemmWeights gate_up_, down_;
   bool invariant_ = false;
 };
 TORCH_MODULE(MLP);
@@ -149,6 +163,11 @@ class DecoderLayerImpl : public torch::nn::Module {
     self_attn_->keep_fused_weights(on);
     mlp_->keep_fused_weights(on);
   }
+  void set_weight_format(WeightFormat f) {
+    self_attn_->set_weight_format(f);
+    mlp_->set_weight_format(f);
+  }
+  int64_t gemm_bytes() const { return self_attn_->gemm_bytes() + mlp_->gemm_bytes(); }
   void set_batch_invariant(bool on) {
     self_attn_->set_batch_invariant(on);
     mlp_->set_batch_invariant(on);
@@ -172,6 +191,8 @@ class DecoderImpl : public torch::nn::Module {
   torch::nn::Embedding& embed_tokens() { return embed_tokens_; }
   void projections(const std::string& prefix, ProjectionList& out);
   void keep_fused_weights(bool on);
+  void set_weight_format(WeightFormat f);
+  int64_t gemm_bytes() const;
   void set_batch_invariant(bool on);
 
  private:
@@ -201,8 +222,16 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor lm_head_weight();  // the embedding matrix when tied
   const ModelConfig& config() const { return config_; }
   // Keep the concatenated q/k/v and gate/up weights between forward passes without autograd
-  // (see FusedWeights): faster decoding for about 2/3 of the block weights' memory again.
+  // (see GemmWeights): faster decoding for about 2/3 of the block weights' memory again.
   void keep_fused_weights(bool on);
+  // The block projections and the LM head in a quantized format in forward passes without
+  // autograd (generator.weights); the float parameters stay the source, requantized when they
+  // change. An Error naming the weight when the format cannot hold one (weight_format_fits).
+  void set_weight_format(WeightFormat format);
+  WeightFormat weight_format() const { return lm_head_gemm_.format; }
+  // Bytes of weights the last forward pass and LM head read through their GEMMs (block
+  // projections and the LM head, in their format): what one decode step streams from memory.
+  int64_t gemm_weight_bytes() const;
   // Batch-invariant kernels in forward passes without autograd (see batch_invariant_now), the
   // LM head included: what model.batch_invariant turns on in engines and the trainer alike.
   void set_batch_invariant(bool on);
@@ -216,6 +245,7 @@ class TransformerImpl : public torch::nn::Module {
   ModelConfig config_;
   Decoder model_{nullptr};
   torch::nn::Linear lm_head_{nullptr};
+  GemmWeights lm_head_gemm_;
   bool invariant_ = false;
 };
 TORCH_MODULE(Transformer);

@@ -401,6 +401,20 @@ TEST_CASE("the RL objective, advantage and correction keys: read, written back, 
   CHECK(error_of(kBase, {"generator.engine=remote", "generator.url=http://h:1", "generator.partial_rollouts=abort"}) ==
         "configs/x.yaml, override 'generator.partial_rollouts=abort': generator.partial_rollouts: only used with engine: "
         "builtin (a server's batch takes new weights once it is done)");
+  // Quantized engines: full by default; int8 and int4 by name; CPU, float activations, float kernels.
+  CHECK(parse_run_config(kBase, "configs/x.yaml").generator.weights == WeightFormat::full);
+  auto q = parse_run_config(kBase, "configs/x.yaml", {"generator.weights=int4"});
+  CHECK(q.generator.weights == WeightFormat::int4);
+  CHECK(parse_run_config(to_yaml(q), "runs/x/config.yaml") == q);
+  CHECK(error_of(kBase, {"generator.weights=int3"}) ==
+        "configs/x.yaml, override 'generator.weights=int3': generator.weights: expected one of full, int8, int4, got "
+        "\"int3\" (did you mean int8?)");
+  CHECK(error_of(kBase, {"generator.weights=int8", "model.batch_invariant=true"}).ends_with(
+        "generator.weights: not with model.batch_invariant (its kernels take float weights): use generator.weights full"));
+  CHECK(error_of(kBase, {"generator.weights=int8", "model.dtype=float64"}).ends_with(
+        "generator.weights: int8 and int4 engines take float32 or bfloat16 activations, got float64"));
+  CHECK(error_of(kBase, {"generator.weights=int8", "model.device=cuda"}).ends_with(
+        "generator.weights: int8 and int4 engines run on the CPU, got model.device cuda"));
 }
 
 TEST_CASE("malformed YAML is a troupe::Error with file and line") {

@@ -130,6 +130,26 @@ TEST_CASE("mismatch/kl: float rounding with float32 engines, and reported when t
   CHECK(least_bf16 > 1e-7);   // bfloat16 rounding of weights and activations
 }
 
+TEST_CASE("generator.weights int8 and int4: quantized engines under a float32 trainer learn the task, mismatch/kl reported") {
+  const int64_t steps = 200;
+  for (const char* format : {"int8", "int4"}) {
+    CAPTURE(format);
+    auto m = learn(std::string("learn_") + format, std::string("generator.weights=") + format, steps);
+    const double first = mean_reward(m, 0, 5), last = mean_reward(m, steps - 10, 10);
+    double least_kl = 1e9, most_kl = 0;
+    for (const auto& j : m) {
+      if (j["mismatch/tokens"].get<int64_t>() == 0) continue;  // no completion of the trainer's version this step
+      least_kl = std::min(least_kl, j["mismatch/kl"].get<double>());
+      most_kl = std::max(most_kl, j["mismatch/kl"].get<double>());
+    }
+    MESSAGE(std::string(format) << " engines: reward/mean first 5 steps " << first << ", last 10 " << last << "; mismatch/kl "
+                   << least_kl << " to " << most_kl);
+    CHECK(first < 0.3);
+    CHECK(last > 0.7);
+    CHECK(least_kl > 1e-7);  // the engines sample the quantized policy, and the trainer sees it
+  }
+}
+
 TEST_CASE("model.batch_invariant: mismatch/kl is exactly 0 with float32 engines, and reusing the behaviour log-probs changes no bit") {
   const std::string args = "async.max_staleness=0 model.batch_invariant=true ";
   auto exact = learn("invariant", args, 20);

@@ -60,6 +60,29 @@ TEST_CASE("the imported SmolLM2 has a low perplexity on GSM8K questions") {
   CHECK(ppl < 60.0);
 }
 
+TEST_CASE("int8 and int4 weights keep SmolLM2's perplexity on GSM8K questions within 2 % and 6 % of float32") {
+  auto ppl = [](const std::string& weights) {
+    auto r = run_troupe("eval perplexity --model " + quote(smollm2_gguf().string()) + " --data " +
+                        quote((data() / "gsm8k" / "test.jsonl").string()) + " --field question --limit 100 --weights " +
+                        weights);
+    REQUIRE_MESSAGE(r.status == 0, r.out);
+    std::smatch m;
+    std::string line = last_line(r.out);
+    REQUIRE(std::regex_match(line, m, std::regex(R"(perplexity: ([0-9.e+]+))")));
+    return std::stod(m[1]);
+  };
+  const double full = ppl("full"), int8 = ppl("int8"), int4 = ppl("int4");
+  MESSAGE("first 100 GSM8K test questions: perplexity float32 " << full << ", int8 " << int8 << " ("
+          << 100 * (int8 / full - 1) << " %), int4 " << int4 << " (" << 100 * (int4 / full - 1) << " %)");
+  CHECK(int8 != full);  // the weights really are others
+  CHECK(std::abs(int8 / full - 1) < 0.02);
+  CHECK(std::abs(int4 / full - 1) < 0.06);
+  auto r = run_troupe("eval perplexity --model " + quote(smollm2_gguf().string()) + " --data " +
+                      quote((data() / "gsm8k" / "test.jsonl").string()) + " --field question --limit 1 --weights int3");
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.out.find("--weights int3: expected full, int8 or int4") != std::string::npos, r.out);
+}
+
 TEST_CASE("greedy chat answer is coherent") {
   auto r = run_troupe("generate --model " + quote(smollm2_gguf().string()) +
                   " --chat --max-tokens 40 --prompt 'What is the capital of France?'");
