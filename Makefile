@@ -84,6 +84,8 @@ bench: build
 	$(PY) bench/forward_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_forward --model $(MODEL) --work $(BUILD)/bench_models/smollm2
 	$(PY) bench/generation_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_generate --model $(MODEL) --work $(BUILD)/bench_models/smollm2
 	$(PY) bench/decode_llamacpp.py --bench $(BUILD)/bench/bench_decode --model $(MODEL)
+	$(PY) bench/decode_llamacpp.py --bench $(BUILD)/bench/bench_decode --model $(MODEL) --weights int8
+	$(PY) bench/decode_llamacpp.py --bench $(BUILD)/bench/bench_decode --model $(MODEL) --weights int4
 	$(PY) bench/serve_load.py --troupe $(BUILD)/troupe --model $(MODEL)
 	$(PY) bench/sft_throughput.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_sft --model $(MODEL) --work $(BUILD)/bench_models/smollm2
 	$(PY) bench/sft_parallel.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_sft --model $(MODEL) --work $(BUILD)/bench_models/smollm2 --sharding zero2

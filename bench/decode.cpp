@@ -1,6 +1,8 @@
 // troupe's side of bench/decode_llamacpp.py: single-sequence greedy decode with the plain
-// KV-cache loop (troupe::generate), EOS ignored. Times the decode steps only (the prefill and
-// the first token are timed apart); prints one JSON line with the timings and the token ids.
+// KV-cache loop (troupe::generate), EOS ignored, in a weight format (--weights). Times the decode
+// steps only (the prefill and the first token are timed apart), the quantization of the weights
+// (what a weight sync costs a quantized engine), the GEMM weight bytes a decode step reads, and
+// this machine's memory bandwidth by a plain copy; prints one JSON line with them and the ids.
 #include <chrono>
 #include <iostream>
 #include <sstream>
@@ -11,7 +13,25 @@
 #include <torch/torch.h>
 
 #include "generator/generate.hpp"
+#include "kernels/cpu_features.hpp"
 #include "policy/checkpoint.hpp"
+
+namespace {
+// Bytes per second of a plain copy of a buffer well beyond the caches (read plus write counted),
+// best of five: the limit a decode step that streams its weights cannot beat.
+double copy_bandwidth() {
+  auto src = torch::rand({64 << 20});  // 256 MB
+  auto dst = torch::empty_like(src);
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    dst.copy_(src);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 2.0 * src.numel() * src.element_size() / s);
+  }
+  return best;
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   std::string model_path, prompt_ids, dtype_name = "float32";
@@ -22,6 +42,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-tokens", max_tokens)->check(CLI::Range(2, 1 << 20));
   app.add_option("--threads", threads, "Intra-op threads; 0 keeps LibTorch's default");
   app.add_option("--dtype", dtype_name);
+  std::string weights_name = "full";
+  app.add_option("--weights", weights_name, "full, int8 or int4");
   CLI11_PARSE(app, argc, argv);
 
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
@@ -30,15 +52,33 @@ int main(int argc, char** argv) {
   for (std::string item; std::getline(in, item, ',');) prompt.push_back(std::stoi(item));
 
   auto dtype = dtype_name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
+  auto weights = troupe::from_name<troupe::WeightFormat>(weights_name);
+  if (!weights) {
+    std::cerr << "--weights " << weights_name << ": expected full, int8 or int4\n";
+    return 2;
+  }
   auto m = troupe::load_model(model_path, {.dtype = dtype, .tokenizer = false});
+  m.model->eval();
+  m.model->keep_fused_weights(true);  // as an engine does: weights change only at a sync
+  m.model->set_weight_format(*weights);
   troupe::SamplingParams greedy{.temperature = 0, .max_tokens = max_tokens, .ignore_eos = true};
-  troupe::generate(*m.model, prompt, {.temperature = 0, .max_tokens = 4}, {});  // warm-up
-
   using clock = std::chrono::steady_clock;
+  auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  // What a weight sync costs a quantized engine: every GEMM weight quantized once (the kept q/k/v
+  // and gate/up concatenations come on top), timed apart from decoding.
+  double quantize_s = 0;
+  if (*weights != troupe::WeightFormat::full) {
+    torch::NoGradGuard no_grad;
+    auto q0 = clock::now();
+    for (const auto& [name, p] : m.model->projections())
+      troupe::kernels::quantize_weight(p->base->weight, troupe::weight_bits(*weights), dtype);
+    troupe::kernels::quantize_weight(m.model->lm_head_weight(), troupe::weight_bits(*weights), dtype);
+    quantize_s = seconds(q0, clock::now());
+  }
+  troupe::generate(*m.model, prompt, {.temperature = 0, .max_tokens = 4}, {});  // warm-up
   std::vector<clock::time_point> stamps;  // one per token, taken as soon as it is chosen
   auto start = clock::now();
   auto out = troupe::generate(*m.model, prompt, greedy, {}, [&](int32_t) { stamps.push_back(clock::now()); });
-  auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
   double decode_s = seconds(stamps.front(), stamps.back());  // max_tokens - 1 decode steps
   int64_t steps = static_cast<int64_t>(stamps.size()) - 1;
   nlohmann::json result = {{"tokens_per_s", steps / decode_s},
@@ -46,6 +86,12 @@ int main(int argc, char** argv) {
                            {"prefill_ms", 1e3 * seconds(start, stamps.front())},
                            {"prompt_tokens", prompt.size()},
                            {"threads", at::get_num_threads()},
+                           {"weights", weights_name},
+                           {"dtype", dtype_name},
+                           {"weight_bytes_per_token", m.model->gemm_weight_bytes()},
+                           {"quantize_s", quantize_s},
+                           {"copy_bytes_per_s", copy_bandwidth()},
+                           {"cpu_bf16", troupe::cpu_bf16().reason},
                            {"ids", out.ids}};
   std::cout << result.dump() << std::endl;
   return 0;

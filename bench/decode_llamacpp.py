@@ -1,14 +1,19 @@
 """Single-sequence greedy decode of SmolLM2-135M-Instruct on CPU: troupe against llama.cpp.
 
-python bench/decode_llamacpp.py [--max-tokens 128 --dtype float32]
+python bench/decode_llamacpp.py [--max-tokens 128 --dtype float32 --weights full|int8|int4]
 Both sides read the same GGUF and decode the same prompt token ids greedily, one sequence,
 to exactly max-tokens new tokens (EOS ignored), on the same number of threads. Times the
 decode steps only (the prefill is reported apart); prints tokens/s for each and the ratio.
-Not like for like in the weights: llama.cpp computes with the Q4_1 blocks as stored, troupe
-dequantizes them to float32 (or bfloat16) at load.
+Weights: llama.cpp computes with the Q4_1 blocks as stored; troupe dequantizes them to float32
+(or bfloat16) at load, then decodes with those (--weights full) or with a weight-only int8 or
+int4 copy (generator.weights; int4 is Q4_1's layout, 32 weights per scale and zero point).
+Decode at this size is bound by memory bandwidth, so both sides' results are also given as a
+fraction of the limit: weight bytes read per token against a plain copy's bytes/s measured in
+the same run (troupe counts its GEMM weights; llama.cpp's are taken as the GGUF's tensor bytes).
 """
 import argparse
 import json
+import os
 import subprocess
 import time
 
@@ -49,6 +54,7 @@ def main():
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="both sides; 0: LibTorch's default on troupe's side")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="troupe's side")
+    p.add_argument("--weights", default="full", choices=["full", "int8", "int4"], help="troupe's side")
     args = p.parse_args()
 
     llm = llama_cpp.Llama(model_path=args.model, n_ctx=1024, verbose=False)
@@ -57,7 +63,8 @@ def main():
         p.error(f"--max-tokens {args.max_tokens}: prompt + completion must fit llama.cpp's n_ctx {llm.n_ctx()}")
 
     out = subprocess.run([args.bench, "--model", args.model, "--prompt-ids", ",".join(map(str, prompt)),
-                          "--max-tokens", str(args.max_tokens), "--threads", str(args.threads), "--dtype", args.dtype],
+                          "--max-tokens", str(args.max_tokens), "--threads", str(args.threads), "--dtype", args.dtype,
+                          "--weights", args.weights],
                          check=True, capture_output=True, text=True).stdout
     ours = json.loads(out.strip().splitlines()[-1])
 
@@ -66,11 +73,19 @@ def main():
     theirs = llamacpp_side(llm, prompt, args)
 
     same = next((i for i, (a, b) in enumerate(zip(ours["ids"], theirs["ids"])) if a != b), args.max_tokens)
+    bandwidth = ours["copy_bytes_per_s"]
+    ours["bytes_per_token"] = ours["weight_bytes_per_token"]
+    theirs["bytes_per_token"] = os.path.getsize(args.model)  # tensor bytes, plus a small header
     print(f"greedy decode, 1 sequence, {len(prompt)} prompt tokens + {args.max_tokens} new tokens, {threads} threads; "
-          f"weights: llama.cpp computes with Q4_1, troupe dequantized to {args.dtype}")
+          f"weights: llama.cpp computes with Q4_1, troupe with {args.weights} weights over {args.dtype} activations")
+    print(f"CPU: bfloat16 {ours['cpu_bf16']}; memory bandwidth (plain copy, read + write): {bandwidth / 1e9:.1f} GB/s")
+    if args.weights != "full":
+        print(f"troupe's quantization of every GEMM weight (a weight sync's cost): {ours['quantize_s']:.3f} s")
     for name, r in (("troupe", ours), ("llama.cpp", theirs)):
+        limit = bandwidth / r["bytes_per_token"]
         print(f"{name + ':':11}{r['tokens_per_s']:8.1f} tokens/s ({r['ms_per_token']:.2f} ms per token, "
-              f"prefill {r['prefill_ms']:.0f} ms)")
+              f"prefill {r['prefill_ms']:.0f} ms); {r['bytes_per_token'] / 1e6:.1f} MB of weights per token, "
+              f"{r['tokens_per_s'] / limit:.0%} of the bandwidth limit ({limit:.0f} tokens/s)")
     print(f"ratio troupe / llama.cpp: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
     print(f"greedy tokens agree for the first {same} of {args.max_tokens} (the weights differ, see above)")
 
