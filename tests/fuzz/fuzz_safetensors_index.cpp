@@ -30,12 +30,14 @@ const fs::path& dir() {
     const fs::path tmp = fs::is_directory("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
     fs::path p = tmp / ("troupe_fuzz_safetensors_index." + std::to_string(getpid()));
     fs::create_directories(p);
-    std::atexit([] {
-      std::error_code ec;
-      fs::remove_all(dir(), ec);
-    });
     return p;
   }();
+  // Registered once d is made, so that it runs before d is destroyed (libFuzzer ends with exit()).
+  static const bool cleanup = std::atexit([] {
+    std::error_code ec;
+    fs::remove_all(d, ec);
+  }) == 0;
+  (void)cleanup;
   return d;
 }
 
