@@ -24,22 +24,7 @@ namespace {
 constexpr const char* kShardNames[] = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"};
 constexpr uint64_t kMaxData = uint64_t{1} << 16;
 
-const fs::path& dir() {
-  static const fs::path d = [] {
-    // In memory where there is a tmpfs: three files a run, at half the speed on a disk.
-    const fs::path tmp = fs::is_directory("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
-    fs::path p = tmp / ("troupe_fuzz_safetensors_index." + std::to_string(getpid()));
-    fs::create_directories(p);
-    return p;
-  }();
-  // Registered once d is made, so that it runs before d is destroyed (libFuzzer ends with exit()).
-  static const bool cleanup = std::atexit([] {
-    std::error_code ec;
-    fs::remove_all(d, ec);
-  }) == 0;
-  (void)cleanup;
-  return d;
-}
+const fs::path& dir() { return troupe::fuzz::scratch_dir("safetensors_index"); }
 
 void write(const fs::path& path, std::string_view bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

@@ -12,18 +12,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path& dir() {
-  static const fs::path d = [] {
-    fs::path p = fs::temp_directory_path() / ("troupe_fuzz_trainer_state." + std::to_string(getpid()));
-    fs::create_directories(p);
-    std::atexit([] {
-      std::error_code ec;
-      fs::remove_all(dir(), ec);
-    });
-    return p;
-  }();
-  return d;
-}
+const fs::path& dir() { return troupe::fuzz::scratch_dir("trainer_state"); }
 
 bool same(const troupe::TrainerState& a, const troupe::TrainerState& b) {
   return a.recipe == b.recipe && a.model == b.model && a.step == b.step && a.policy_version == b.policy_version &&

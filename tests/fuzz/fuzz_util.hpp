@@ -8,11 +8,31 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace troupe::fuzz {
+
+// A folder of this process's own, for parsers that read several files of a folder: in memory
+// where there is a tmpfs, removed at exit (libFuzzer ends with exit()). One per harness.
+inline const std::filesystem::path& scratch_dir(const char* name) {
+  namespace fs = std::filesystem;
+  static const fs::path d = [name] {
+    const fs::path tmp = fs::is_directory("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
+    fs::path p = tmp / (std::string("troupe_fuzz_") + name + "." + std::to_string(getpid()));
+    fs::create_directories(p);
+    return p;
+  }();
+  // Registered once d is made, so that it runs before d is destroyed.
+  static const bool cleanup = std::atexit([] {
+    std::error_code ec;
+    fs::remove_all(d, ec);
+  }) == 0;
+  (void)cleanup;
+  return d;
+}
 
 // A memfd with a path (/proc/self/fd/N) that open() and mmap() take like a file on disk, rewritten
 // for every input: no disk writes, no files left behind.
