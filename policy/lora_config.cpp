@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "policy/error.hpp"
+#include "policy/json_depth.hpp"
 
 namespace troupe {
 namespace fs = std::filesystem;
@@ -28,12 +29,7 @@ nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
   if (!in) throw Error(path.string() + ": cannot open (is this a PEFT adapter folder?)");
   int depth = 0;
-  const auto deepest = [&](int d, nlohmann::json::parse_event_t event, nlohmann::json&) {
-    using E = nlohmann::json::parse_event_t;
-    if (event == E::object_start || event == E::array_start) depth = std::max(depth, d + 1);
-    return true;
-  };
-  auto j = nlohmann::json::parse(in, deepest, /*allow_exceptions=*/false);
+  auto j = parse_json_measuring_depth(in, depth);
   if (j.is_discarded() || !j.is_object()) throw Error(path.string() + ": not a JSON object");
   // An option troupe refuses is quoted with dump(), which recurses once per level of nesting.
   if (depth > kMaxDepth)

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "policy/error.hpp"
+#include "policy/json_depth.hpp"
 
 namespace troupe {
 namespace {
@@ -177,12 +178,7 @@ ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
   std::ifstream in(path);
   if (!in) throw Error(path.string() + ": cannot open config file");
   int depth = 0;
-  const auto deepest = [&](int d, json::parse_event_t event, json&) {
-    if (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start)
-      depth = std::max(depth, d + 1);
-    return true;
-  };
-  json j = json::parse(in, deepest, /*allow_exceptions=*/false);
+  json j = parse_json_measuring_depth(in, depth);
   if (j.is_discarded()) throw Error(path.string() + ": not valid JSON");
   // The whole file is kept (source) and written back on save, and copies and dump() recurse once
   // per level: nesting far beyond any real config's would overflow the stack.

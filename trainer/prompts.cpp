@@ -7,6 +7,7 @@
 #include <random>
 
 #include "policy/error.hpp"
+#include "policy/json_depth.hpp"
 #include "policy/seed.hpp"
 #include "trainer/sft_data.hpp"
 
@@ -68,12 +69,7 @@ PromptSource::PromptSource(const std::filesystem::path& path, const Tokenizer& t
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = file + ":" + std::to_string(line_no);
     int depth = 0;
-    const auto deepest = [&](int d, nlohmann::json::parse_event_t event, nlohmann::json&) {
-      using E = nlohmann::json::parse_event_t;
-      if (event == E::object_start || event == E::array_start) depth = std::max(depth, d + 1);
-      return true;
-    };
-    auto j = nlohmann::json::parse(line, deepest, /*allow_exceptions=*/false);
+    auto j = parse_json_measuring_depth(line, depth);
     if (j.is_discarded()) throw Error(where + ": not valid JSON");
     // The record travels with its prompt as metadata and is written out again (dump() recurses
     // once per level), so nesting far beyond any real dataset's is refused here.
