@@ -137,7 +137,11 @@ torch::Tensor GemmWeights::apply(const torch::Tensor& x, const std::vector<torch
   std::vector<std::pair<const void*, int64_t>> key;
   for (const auto& t : weights) key.emplace_back(t.data_ptr(), t._version());
   for (const auto& t : biases) key.emplace_back(t.data_ptr(), t._version());
-  const bool fresh = keep && key == key_ && (weight_.defined() || quantized_.defined());
+  // Kept and still what this call needs: the same weights, format and (quantized) activations.
+  const bool kept = format == WeightFormat::full
+                        ? weight_.defined()
+                        : quantized_.defined() && quantized_.dequantized.defined() == (x.scalar_type() == torch::kFloat32);
+  const bool fresh = keep && key == key_ && kept;
   if (!fresh) {
     auto weight = join(weights);
     bias_ = join(biases);
