@@ -129,41 +129,71 @@ torch::Tensor GemmWeights::apply(const torch::Tensor& x, const std::vector<torch
   auto join = [](const std::vector<torch::Tensor>& ts) {
     return ts.empty() ? torch::Tensor() : ts.size() == 1 ? ts[0] : torch::cat(ts);
   };
-  if (format == WeightFormat::full && weights.size() == 1) {  // used as it is: nothing to keep
-    weight_ = bias_ = torch::Tensor();
-    bytes_ = size(weights[0]) + size(join(biases));
-    return gemm(x, weights[0], join(biases), invariant);
+  if (format == WeightFormat::full) {
+    // Full weights are never copied for good: kept, several parts first move into one buffer of
+    // which each part's parameter becomes a view (adopt), and from then on that buffer is the
+    // fused weight itself. In-place writes (an optimizer step, update_weights) land in it.
+    bias_ = torch::Tensor();
+    quantized_ = {};
+    key_.clear();
+    if (keep) {
+      adopt(weights);
+      adopt(biases);
+    }
+    auto weight = adjacent_view(weights), bias = adjacent_view(biases);
+    if (!weight.defined()) weight = join(weights);  // not kept: a concatenation for this call only
+    if (!bias.defined()) bias = join(biases);
+    bytes_ = size(weight) + size(bias);
+    return gemm(x, weight, bias, invariant);
   }
   std::vector<std::pair<const void*, int64_t>> key;
   for (const auto& t : weights) key.emplace_back(t.data_ptr(), t._version());
   for (const auto& t : biases) key.emplace_back(t.data_ptr(), t._version());
-  // Kept and still what this call needs: the same weights, format and (quantized) activations.
-  const bool kept = format == WeightFormat::full
-                        ? weight_.defined()
-                        : quantized_.defined() && quantized_.dequantized.defined() == (x.scalar_type() == torch::kFloat32);
-  const bool fresh = keep && key == key_ && kept;
-  if (!fresh) {
-    auto weight = join(weights);
+  // Kept and still what this call needs: the same weights and (quantized) activations.
+  const bool kept = quantized_.defined() && quantized_.dequantized.defined() == (x.scalar_type() == torch::kFloat32);
+  if (!(keep && key == key_ && kept)) {
+    TORCH_CHECK(!invariant, "batch-invariant kernels take float weights, not ", to_string(format));
     bias_ = join(biases);
-    if (format == WeightFormat::full) {
-      weight_ = weight;
-      quantized_ = {};
-    } else {
-      TORCH_CHECK(!invariant, "batch-invariant kernels take float weights, not ", to_string(format));
-      quantized_ = kernels::quantize_weight(weight, weight_bits(format), x.scalar_type());
-      weight_ = torch::Tensor();
-    }
+    quantized_ = kernels::quantize_weight(join(weights), weight_bits(format), x.scalar_type());
     key_ = std::move(key);
   }
-  torch::Tensor y = format == WeightFormat::full ? gemm(x, weight_, bias_, invariant)
-                                                         : kernels::quantized_linear(x, quantized_, bias_);
-  bytes_ = (format == WeightFormat::full ? size(weight_) : quantized_.bytes()) + size(bias_);
+  torch::Tensor y = kernels::quantized_linear(x, quantized_, bias_);
+  bytes_ = quantized_.bytes() + size(bias_);
   if (!keep) {  // nothing stale held
-    weight_ = bias_ = torch::Tensor();
+    bias_ = torch::Tensor();
     quantized_ = {};
     key_.clear();
   }
   return y;
+}
+
+torch::Tensor GemmWeights::adjacent_view(const std::vector<torch::Tensor>& parts) {
+  if (parts.empty()) return {};
+  if (parts.size() == 1) return parts[0];
+  const auto& first = parts[0];
+  int64_t rows = 0;
+  auto next = static_cast<const char*>(first.data_ptr());
+  for (const auto& t : parts) {
+    if (!t.is_contiguous() || t.scalar_type() != first.scalar_type() || t.device() != first.device() ||
+        t.dim() != first.dim() || (t.dim() == 2 && t.size(1) != first.size(1)) ||
+        !t.storage().is_alias_of(first.storage()) || static_cast<const char*>(t.data_ptr()) != next)
+      return {};
+    next += t.numel() * t.element_size();
+    rows += t.size(0);
+  }
+  if (first.dim() == 1) return first.as_strided({rows}, {1});
+  return first.as_strided({rows, first.size(1)}, {first.size(1), 1});
+}
+
+void GemmWeights::adopt(const std::vector<torch::Tensor>& parts) {
+  if (parts.size() < 2 || adjacent_view(parts).defined()) return;
+  auto joined = torch::cat(parts);
+  int64_t row = 0;
+  for (auto t : parts) {  // a handle on the parameter itself: set_data changes what it holds
+    auto view = joined.narrow(0, row, t.size(0));
+    row += t.size(0);
+    t.set_data(view);
+  }
 }
 
 AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t layer)

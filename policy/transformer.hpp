@@ -92,10 +92,13 @@ struct Projection {
 // The weights of one GEMM of forward passes without autograd, y = x W^T + b: one projection's,
 // or several concatenated along the output dimension (q/k/v, gate/up), since one large GEMM runs
 // closer to peak than three small ones; in float, or quantized (kernels/weight_only.hpp) for
-// generation engines. A concatenation or quantized copy is rebuilt on every call unless `keep` is
-// on (engines: weights change only between steps); then kept until a weight changes, seen by a new
-// data pointer or a moved version counter (an optimizer step, Engine::update_weights and
-// load_weights all write in place). A quantized format keeps no float concatenation.
+// generation engines.
+// - full: with `keep` on (engines, evaluation), the parts are moved once into one buffer and each
+//   part's parameter becomes a view of its rows, so the fused weight costs no memory and
+//   in-place writes (an optimizer step, Engine::update_weights, load_weights) land in it. Without
+//   `keep`, a concatenation is made for the call, unless the parts already lie side by side.
+// - int8, int4: the quantized copy is rebuilt on every call unless `keep` is on; then kept until a
+//   weight changes, seen by a new data pointer or a moved version counter.
 struct GemmWeights {
   bool keep = false;
   WeightFormat format = WeightFormat::full;
@@ -107,8 +110,14 @@ struct GemmWeights {
   int64_t bytes() const { return bytes_; }  // what the last GEMM read of its weights (and biases)
 
  private:
+  // parts [out_i, in] (or biases [out_i]) that lie side by side in one storage -> one view
+  // [sum out_i, in] over them; undefined when they do not.
+  static torch::Tensor adjacent_view(const std::vector<torch::Tensor>& parts);
+  // Moves parts that are not side by side into one new buffer; each becomes a view of its rows.
+  static void adopt(const std::vector<torch::Tensor>& parts);
+
   int64_t bytes_ = 0;
-  torch::Tensor weight_, bias_;          // the float concatenation (format full, several parts)
+  torch::Tensor bias_;                  // the joined biases of a quantized format
   kernels::QuantizedWeight quantized_;  // format int8 or int4
   std::vector<std::pair<const void*, int64_t>> key_;  // each weight's data pointer and version
 };
@@ -221,8 +230,9 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor logits(const torch::Tensor& hidden);
   torch::Tensor lm_head_weight();  // the embedding matrix when tied
   const ModelConfig& config() const { return config_; }
-  // Keep the concatenated q/k/v and gate/up weights between forward passes without autograd
-  // (see GemmWeights): faster decoding for about 2/3 of the block weights' memory again.
+  // Fused q/k/v and gate/up GEMMs in forward passes without autograd, over one buffer each of
+  // which the projections' weights become views (see GemmWeights): faster decoding at no memory
+  // cost; with a quantized weight format, the quantized copies are kept between passes.
   void keep_fused_weights(bool on);
   // The block projections and the LM head in a quantized format in forward passes without
   // autograd (generator.weights); the float parameters stay the source, requantized when they

@@ -106,6 +106,26 @@ TEST_CASE("kept fused weights follow in-place weight changes, and autograd still
   {
     torch::NoGradGuard no_grad;
     CHECK(torch::equal(logits(kept), logits(fresh)));
+    // No copy is kept: the fused GEMMs read the parameters themselves, which now lie side by side.
+    auto side_by_side = [](LoadedModel& m, std::vector<std::string> names) {
+      auto params = m.model->named_parameters();
+      for (size_t i = 1; i < names.size(); ++i) {
+        const auto& a = params[names[i - 1]];
+        const auto& b = params[names[i]];
+        if (!a.storage().is_alias_of(b.storage()) || static_cast<char*>(a.data_ptr()) + a.nbytes() != b.data_ptr())
+          return false;
+      }
+      return true;
+    };
+    const std::vector<std::string> qkv = {"model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                                          "model.layers.1.self_attn.v_proj.weight"};
+    const std::vector<std::string> qkv_bias = {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",
+                                               "model.layers.0.self_attn.v_proj.bias"};
+    const std::vector<std::string> gate_up = {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"};
+    CHECK(side_by_side(kept, qkv));
+    CHECK(side_by_side(kept, qkv_bias));
+    CHECK(side_by_side(kept, gate_up));
+    CHECK_FALSE(side_by_side(fresh, qkv));  // what loading gives: one tensor each
     // A step's worth of change, written in place into both (as an optimizer or update_weights does).
     torch::manual_seed(3);
     for (const char* name : {"model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.bias",
