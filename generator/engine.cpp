@@ -1,10 +1,12 @@
 // Continuous batching: a request's n samples share one prefill into free slots, then every
 // running sequence decodes one token per step() until it stops and frees its slot. The KV
-// cache is allocated once; a step attends only over slots [0, highest busy slot].
+// cache is allocated once; a step attends only over slots [0, highest busy slot]. A prompt's
+// keys and values are held once for its samples (PrefixSharing::shared) and freed with the last.
 #include "generator/engine.hpp"
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <set>
 
 #include <torch/torch.h>
@@ -35,7 +37,11 @@ struct Engine::Sequence {
   std::vector<int32_t> ids;
   std::vector<float> logprobs;
   std::vector<int64_t> versions;  // [ids] the version that sampled each
-  int64_t cached = 0;  // tokens whose keys/values are in the slot; ids.back() is not yet
+  int64_t cached = 0;  // tokens whose keys/values are cached; ids.back() is not yet
+  // With PrefixSharing::shared, the prompt's keys/values, held once for the request's samples;
+  // the slot then holds positions [base, cached) at [0, cached - base). Without, base is 0.
+  std::shared_ptr<const SharedKV> prefix;
+  int64_t base = 0;
   bool stale = false;  // the slot's keys/values predate a weight update
   int64_t slot = -1;
   int64_t min_version = 0, max_version = 0;
@@ -69,6 +75,9 @@ Engine::Engine(Transformer model, std::optional<Tokenizer> tokenizer, EngineOpti
   auto weight = model_->lm_head_weight();
   cache_ = KVCache::allocate(c, options_.max_batch, options_.max_seq_len, weight.options());
   slots_.resize(options_.max_batch);
+  prefix_ = options_.prefix;
+  const bool flash = weight.is_cpu() && (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16);
+  if (prefix_ == PrefixSharing::shared && (!flash || options_.batch_invariant)) prefix_ = PrefixSharing::copy;
   model_->eval();
   model_->keep_fused_weights(true);  // weights change only through update_weights, between steps
   if (options_.batch_invariant) model_->set_batch_invariant(true);
@@ -253,26 +262,34 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Ten
 
 namespace {
 
-// Keys and values of `tokens` written into `slot` of the cache (its first tokens.size() positions).
-// Returns the hidden states [1, T, H].
-torch::Tensor fill_slot(TransformerImpl& model, KVCache& cache, int64_t slot, const std::vector<int32_t>& tokens) {
+// Keys and values of `tokens` written into `view` (its k and v: [1, n_kv, >= T, hd] per layer),
+// at positions [0, T). Returns the hidden states [1, T, H].
+torch::Tensor fill(TransformerImpl& model, KVCache view, const std::vector<int32_t>& tokens) {
   const int64_t T = static_cast<int64_t>(tokens.size());
   auto device = model.lm_head_weight().device();
-  KVCache view;  // the slot's rows of the cache; the forward writes straight into them
+  auto ids = torch::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), torch::kLong).to(device).unsqueeze(0);
+  auto positions = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(device)).unsqueeze(0);
+  return model.forward(ids, positions, {}, &view);
+}
+
+// The same into `slot` of the cache: the forward writes straight into the slot's rows.
+torch::Tensor fill_slot(TransformerImpl& model, KVCache& cache, int64_t slot, const std::vector<int32_t>& tokens) {
+  KVCache view;
   for (size_t l = 0; l < cache.k.size(); ++l) {
     view.k.push_back(cache.k[l].narrow(0, slot, 1));
     view.v.push_back(cache.v[l].narrow(0, slot, 1));
   }
-  auto ids = torch::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), torch::kLong).to(device).unsqueeze(0);
-  auto positions = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(device)).unsqueeze(0);
-  return model.forward(ids, positions, {}, &view);
+  return fill(model, std::move(view), tokens);
 }
 
 }  // namespace
 
 // After a weight update, a continuing sequence's cache is recomputed under the new weights,
 // so every token it samples from then on comes from exactly the new policy.
+// A sequence that shared its prompt's keys then holds them in its own slot.
 void Engine::refill(Sequence& seq) {
+  seq.prefix.reset();
+  seq.base = 0;
   std::vector<int32_t> tokens = *seq.prompt;
   tokens.insert(tokens.end(), seq.ids.begin(), seq.ids.end() - 1);
   fill_slot(*model_, cache_, seq.slot, tokens);
@@ -282,13 +299,34 @@ void Engine::refill(Sequence& seq) {
 void Engine::prefill(std::vector<Sequence*> group) {
   const auto& prompt = *group.front()->prompt;
   const int64_t P = static_cast<int64_t>(prompt.size());
-  const int64_t first = group.front()->slot;
-  auto hidden = fill_slot(*model_, cache_, first, prompt);                        // (1, P, H)
-  auto logits = model_->logits(hidden.select(1, P - 1)).expand({(int64_t)group.size(), -1});  // (n, V)
-  for (size_t i = 1; i < group.size(); ++i) {
+  const int64_t n = static_cast<int64_t>(group.size());
+  torch::Tensor logits;  // (n, V)
+  if (prefix_ == PrefixSharing::separate) {
+    std::vector<torch::Tensor> rows;
+    for (Sequence* seq : group) rows.push_back(model_->logits(fill_slot(*model_, cache_, seq->slot, prompt).select(1, P - 1)));
+    logits = torch::cat(rows);
+  } else if (prefix_ == PrefixSharing::shared && n > 1) {
+    auto kv = std::make_shared<SharedKV>();
+    const auto& c = model_->config();
     for (size_t l = 0; l < cache_.k.size(); ++l) {
-      cache_.k[l][group[i]->slot].narrow(1, 0, P).copy_(cache_.k[l][first].narrow(1, 0, P));
-      cache_.v[l][group[i]->slot].narrow(1, 0, P).copy_(cache_.v[l][first].narrow(1, 0, P));
+      kv->k.push_back(torch::empty({1, c.num_key_value_heads, P, c.head_dim}, cache_.k[l].options()));
+      kv->v.push_back(torch::empty({1, c.num_key_value_heads, P, c.head_dim}, cache_.v[l].options()));
+    }
+    auto hidden = fill(*model_, KVCache{.k = kv->k, .v = kv->v}, prompt);  // (1, P, H)
+    logits = model_->logits(hidden.select(1, P - 1)).expand({n, -1});
+    for (Sequence* seq : group) {
+      seq->prefix = kv;
+      seq->base = P;
+    }
+  } else {
+    const int64_t first = group.front()->slot;
+    auto hidden = fill_slot(*model_, cache_, first, prompt);  // (1, P, H)
+    logits = model_->logits(hidden.select(1, P - 1)).expand({n, -1});
+    for (int64_t i = 1; i < n; ++i) {
+      for (size_t l = 0; l < cache_.k.size(); ++l) {
+        cache_.k[l][group[i]->slot].narrow(1, 0, P).copy_(cache_.k[l][first].narrow(1, 0, P));
+        cache_.v[l][group[i]->slot].narrow(1, 0, P).copy_(cache_.v[l][first].narrow(1, 0, P));
+      }
     }
   }
   std::vector<const SamplingParams*> params;
@@ -321,34 +359,42 @@ void Engine::decode() {
   auto long_opts = torch::TensorOptions().dtype(torch::kLong);
   // Free rows in [0, rows) decode a dummy token at position 0 of their own slot: cheaper
   // than gathering the busy rows' caches, and harmless since a prefill overwrites the slot.
-  std::vector<int64_t> tokens(rows, 0), lengths(rows, 0), busy;
+  // A row's slot holds its positions from `base` on (its prompt's are shared, or base is 0),
+  // so each row reads its own keys [0, own length] and its group's prefix once for the group.
+  std::vector<int64_t> tokens(rows, 0), positions(rows, 0), own(rows, 0), busy;
   std::vector<const SamplingParams*> params;
   std::vector<at::Generator*> generators;
+  std::map<const SharedKV*, std::vector<int64_t>> groups;
   int64_t span = 1;
   for (int64_t s = 0; s < rows; ++s) {
     if (!slots_[s]) continue;
-    tokens[s] = slots_[s]->ids.back();
-    lengths[s] = slots_[s]->cached;
-    span = std::max(span, lengths[s] + 1);
+    const Sequence& seq = *slots_[s];
+    tokens[s] = seq.ids.back();
+    positions[s] = seq.cached;
+    own[s] = seq.cached - seq.base;
+    span = std::max(span, own[s] + 1);
+    if (seq.prefix) groups[seq.prefix.get()].push_back(s);
     busy.push_back(s);
-    params.push_back(slots_[s]->params.get());
+    params.push_back(seq.params.get());
     generators.push_back(&slots_[s]->generator);
   }
   // Every host-to-device copy happens here, before the forward pass is queued: a blocking copy
   // later would wait for the device to finish it.
   auto ids = torch::tensor(tokens, long_opts).to(device).unsqueeze(1);         // (R, 1)
-  auto length = torch::tensor(lengths, long_opts).to(device);                   // (R)
+  auto position = torch::tensor(positions, long_opts).to(device);               // (R)
+  auto write = torch::tensor(own, long_opts).to(device);                        // (R)
   auto busy_rows = torch::tensor(busy, long_opts).to(device);                   // (A)
-  auto mask = (torch::arange(span, long_opts.device(device)).unsqueeze(0) <= length.unsqueeze(1))
+  auto mask = (torch::arange(span, long_opts.device(device)).unsqueeze(0) <= write.unsqueeze(1))
                   .view({rows, 1, 1, span});                                    // (R, 1, 1, span)
   KVCache view;
   for (size_t l = 0; l < cache_.k.size(); ++l) {
     view.k.push_back(cache_.k[l].narrow(0, 0, rows));
     view.v.push_back(cache_.v[l].narrow(0, 0, rows));
   }
-  view.write_index = length;
+  view.write_index = write;
   view.span = span;
-  auto hidden = model_->forward(ids, length.unsqueeze(1), mask, &view);         // (R, 1, H)
+  for (const auto& [kv, members] : groups) view.prefixes.push_back({kv, torch::tensor(members, long_opts).to(device)});
+  auto hidden = model_->forward(ids, position.unsqueeze(1), mask, &view);       // (R, 1, H)
   auto logits = model_->logits(hidden.select(1, 0).index_select(0, busy_rows));  // (A, V)
   auto [next, logprobs] = sample_rows(logits, params, generators, model_->batch_invariant());
   for (size_t i = 0; i < busy.size(); ++i) {
@@ -463,6 +509,8 @@ void Engine::update_weights(const std::map<std::string, torch::Tensor>& weights,
     seq.logprobs.clear();
     seq.versions.clear();
     seq.cached = 0;
+    seq.prefix.reset();
+    seq.base = 0;
     seq.slot = -1;
     seq.stop_token.reset();
     seq.stop_string.reset();

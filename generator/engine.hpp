@@ -40,6 +40,15 @@ struct Completion {
   std::vector<int64_t> versions;    // [L] the policy version that sampled ids[i]
 };
 
+// How the n samples of a request start from their prompt.
+// separate: each sample prefills the prompt in its own slot (what an engine without prefix
+//   sharing does; for comparisons).
+// copy: one prefill, its keys and values copied into each sample's slot.
+// shared: one prefill, its keys and values held once and read by all n samples' decode steps
+//   (KVCache::prefixes); each slot holds only its sample's own tokens. Runs on the CPU in float32
+//   and bfloat16 without batch-invariant kernels; elsewhere the engine copies instead.
+enum class PrefixSharing { separate, copy, shared };
+
 struct EngineOptions {
   int64_t max_batch = 32;     // decode slots: sequences generated together
   int64_t max_seq_len = 2048; // prompt + completion tokens a slot holds
@@ -53,6 +62,7 @@ struct EngineOptions {
   // The GEMM weights decoding reads (generator.weights): the model's own, or a weight-only int8 /
   // int4 copy, requantized after each update_weights; log-probs are the quantized policy's.
   WeightFormat weights = WeightFormat::full;
+  PrefixSharing prefix = PrefixSharing::shared;
   uint64_t seed = 0;          // for requests without their own seed
 };
 
@@ -84,6 +94,7 @@ class Engine {
   const ModelConfig& config() const;
   const std::optional<Tokenizer>& tokenizer() const { return tokenizer_; }
   const EngineOptions& options() const { return options_; }
+  PrefixSharing prefix_sharing() const { return prefix_; }  // options().prefix, or copy where shared cannot run
   int64_t running() const;  // sequences in slots
   int64_t waiting() const;  // samples queued for a slot
   // Calls f(request_id, index, ids, logprobs) for every sequence in a slot, with its tokens so
@@ -104,6 +115,7 @@ class Engine {
   Transformer model_;
   std::optional<Tokenizer> tokenizer_;
   EngineOptions options_;
+  PrefixSharing prefix_;
   std::vector<int32_t> eos_ids_;
   KVCache cache_;
   std::vector<std::unique_ptr<Sequence>> slots_;  // [max_batch]; null when free

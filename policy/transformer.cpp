@@ -4,6 +4,7 @@
 #include "policy/transformer.hpp"
 
 #include <cmath>
+#include <limits>
 #include <numbers>
 
 #include <torch/torch.h>
@@ -259,7 +260,10 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   if (mask.defined()) attn_mask = mask;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   torch::Tensor out;
-  if (invariant) {
+  if (cache && !cache->prefixes.empty()) {
+    TORCH_CHECK(!invariant && cache->write_index.defined(), "shared prefixes are read in per-row decode steps only");
+    out = attend_with_prefixes(q, k, v, mask, scale, cache->prefixes);  // (B, nh, 1, hd)
+  } else if (invariant) {
     // One query row at a time over its allowed keys, in key order, whatever the batch: a decode
     // step over the cache and a full causal pass give each query the same bits.
     out = kernels::bi_attention(q, k, v, mask, scale);  // (B, nh, T, hd)
@@ -277,6 +281,36 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   out = out.transpose(1, 2).reshape({B, T, n_heads_ * head_dim_});  // (B, T, nh * hd)
   return torch::GradMode::is_enabled() ? project(o_proj_, out, train, invariant)
                                        : o_proj_.add_lora(o_.apply(out, {&o_proj_}, invariant), out, train);
+}
+
+// One decode step over shared prefixes then each row's own keys. The query heads sharing a
+// key/value head are that head's query rows, as in the plain decode step; for a group, those of
+// all its rows go through the prefix's keys together, so the prefix is read once per group.
+// Each part gives its output and log-sum-exp (ATen's CPU flash attention); the merge weighs
+// each output by exp(lse - max lse): exactly softmax over the union of the keys.
+torch::Tensor AttentionImpl::attend_with_prefixes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                                  const torch::Tensor& mask, double scale,
+                                                  const std::vector<KVCache::PrefixGroup>& prefixes) {
+  const int64_t B = q.size(0), per_kv = n_heads_ / n_kv_heads_;
+  auto grouped = q.reshape({B, n_kv_heads_, per_kv, head_dim_});  // (B, nkv, g, hd)
+  // The flash kernel takes an additive mask in the query's dtype.
+  auto additive = torch::zeros(mask.sizes(), q.options()).masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());
+  auto [own, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(grouped, k, v, 0.0, false, additive, scale);
+  // own (B, nkv, g, hd); lse (B, nkv, g) float32
+  auto pre = torch::zeros({B, n_kv_heads_, per_kv, head_dim_}, own.options().dtype(torch::kFloat32));
+  auto pre_lse = torch::full({B, n_kv_heads_, per_kv}, -std::numeric_limits<double>::infinity(), pre.options());
+  for (const auto& group : prefixes) {
+    const int64_t G = group.rows.size(0);
+    auto rows = grouped.index_select(0, group.rows).transpose(0, 1).reshape({1, n_kv_heads_, G * per_kv, head_dim_});
+    auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(rows, group.kv->k[layer_], group.kv->v[layer_], 0.0,
+                                                                    false, std::nullopt, scale);
+    pre.index_copy_(0, group.rows, o.reshape({n_kv_heads_, G, per_kv, head_dim_}).transpose(0, 1).to(torch::kFloat32));
+    pre_lse.index_copy_(0, group.rows, lse.reshape({n_kv_heads_, G, per_kv}).transpose(0, 1));
+  }
+  auto top = torch::maximum(own_lse, pre_lse);  // finite: a row's own keys include its new token
+  auto w_own = (own_lse - top).exp().unsqueeze(-1), w_pre = (pre_lse - top).exp().unsqueeze(-1);
+  auto out = (own.to(torch::kFloat32) * w_own + pre * w_pre) / (w_own + w_pre);
+  return out.to(q.scalar_type()).reshape({B, n_heads_, 1, head_dim_});
 }
 
 void AttentionImpl::set_batch_invariant(bool on) {

@@ -20,6 +20,13 @@
 
 namespace troupe {
 
+// Keys and values held once for several rows of a decode batch: a prompt prefilled once for its
+// n samples. k[l], v[l] are [1, n_kv, P, head_dim].
+struct SharedKV {
+  std::vector<torch::Tensor> k, v;
+  int64_t length() const { return k.empty() ? 0 : k[0].size(2); }
+};
+
 // Keys and values of past positions, allocated once: k[l], v[l] are [B, n_kv, capacity, head_dim].
 // Every row shares `length`; rows that started later are told apart by the attention mask.
 struct KVCache {
@@ -30,6 +37,15 @@ struct KVCache {
   // [0, span), masked by the caller; `length` is then unused.
   torch::Tensor write_index;  // [B] long
   int64_t span = 0;
+  // Per-row mode with shared prefixes (CPU, float32 or bfloat16): the rows of each group attend
+  // over their group's SharedKV first, then over their own keys as above; the two attentions are
+  // merged by their log-sum-exps. A group's prefix is read once for all its rows, whose queries
+  // go through it as one matrix. Rows in no group attend over their own keys only.
+  struct PrefixGroup {
+    const SharedKV* kv;
+    torch::Tensor rows;  // [G] long: the batch rows whose keys start with kv
+  };
+  std::vector<PrefixGroup> prefixes;
 
   static KVCache allocate(const ModelConfig& config, int64_t batch, int64_t capacity,
                           torch::TensorOptions options);
@@ -137,6 +153,10 @@ class AttentionImpl : public torch::nn::Module {
   void set_batch_invariant(bool on);
 
  private:
+  torch::Tensor attend_with_prefixes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     const torch::Tensor& mask, double scale,
+                                     const std::vector<KVCache::PrefixGroup>& prefixes);
+
   int64_t layer_, n_heads_, n_kv_heads_, head_dim_;
   Projection q_proj_, k_proj_, v_proj_, o_proj_;
   RMSNorm q_norm_{nullptr}, k_norm_{nullptr};

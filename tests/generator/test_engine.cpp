@@ -90,6 +90,50 @@ TEST_CASE("a seed reproduces samples, and different seeds differ") {
   CHECK(a[0].ids != a[1].ids);  // the n samples are not copies of each other
 }
 
+TEST_CASE("prefix sharing: a request's samples decode the same tokens whether their prompt is prefilled per sample, copied, or held once") {
+  for (const char* name : {"llama3", "qwen3"}) {
+    CAPTURE(std::string(name));
+    auto m = tiny(name);
+    // max_batch 7 with n = 3: groups are admitted whole and split, beside rows of other groups
+    // at other lengths, and a slot freed by one request is reused by the next.
+    auto run = [&](PrefixSharing prefix, const SamplingParams& params) {
+      Engine engine(m.model, std::nullopt, {.max_batch = 7, .max_seq_len = 64, .prefix = prefix});
+      CHECK(engine.prefix_sharing() == prefix);  // float32 on the CPU: each runs as asked
+      return engine.generate(prompts(), params);
+    };
+    for (double temperature : {0.0, 1.0}) {
+      CAPTURE(temperature);
+      SamplingParams params{.n = 3, .temperature = temperature, .max_tokens = 20, .ignore_eos = true, .seed = 11};
+      auto separate = run(PrefixSharing::separate, params), copy = run(PrefixSharing::copy, params),
+           shared = run(PrefixSharing::shared, params);
+      REQUIRE(shared.size() == prompts().size() * 3);
+      double worst = 0;
+      for (size_t i = 0; i < shared.size(); ++i) {
+        CHECK(separate[i].ids == copy[i].ids);  // the same prefill computed once or n times
+        CHECK(separate[i].logprobs == copy[i].logprobs);
+        CHECK(shared[i].ids == copy[i].ids);
+        worst = std::max(worst, max_diff(shared[i].logprobs, copy[i].logprobs));
+        // and the shared prefix's log-probs are the model's, from a full forward pass
+        worst = std::max(worst, max_diff(shared[i].logprobs, recompute_logprobs(*m.model, shared[i], temperature > 0 ? temperature : 1.0)));
+      }
+      MESSAGE(std::string(name) << " T=" << temperature << ": shared prefix, max abs log-prob difference " << worst);
+      CHECK(worst < 1e-5);
+    }
+  }
+}
+
+TEST_CASE("prefix sharing falls back to copies where it cannot run: batch-invariant kernels, float64") {
+  auto m = tiny();
+  Engine invariant(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 16, .batch_invariant = true});
+  CHECK(invariant.prefix_sharing() == PrefixSharing::copy);
+  auto wide = tiny();
+  wide.model->to(torch::kFloat64);
+  Engine float64(wide.model, std::nullopt, {.max_batch = 2, .max_seq_len = 16});
+  CHECK(float64.prefix_sharing() == PrefixSharing::copy);
+  auto out = float64.generate({prompts()[0]}, {.n = 2, .temperature = 0, .max_tokens = 4, .ignore_eos = true});
+  CHECK(out[0].ids == out[1].ids);
+}
+
 TEST_CASE("reported log-probs equal log_softmax(logits / T) from a full forward pass") {
   for (const char* name : {"llama3", "qwen2"}) {
     CAPTURE(std::string(name));
