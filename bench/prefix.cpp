@@ -6,7 +6,8 @@
 // The first step() is the prefill plus the first decode step; the next D - 1 are decode steps.
 // Prints, per mode, the prefill time (first step less the mean decode step), the mean decode
 // step, the keys and values a decode step reads, whether the tokens equal separate's, and the
-// ratios against separate. One line of JSON per mode, then a summary.
+// ratios against separate. One line of JSON per mode, then a summary. Where the weights are small
+// (--weights int4, --dtype bfloat16) the keys and values are a larger part of what a decode step reads.
 #include <chrono>
 #include <iostream>
 
@@ -30,7 +31,7 @@ struct Result {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model_path, dtype_name = "float32";
+  std::string model_path, dtype_name = "float32", weights_name = "full";
   int64_t prompt_tokens = 512, n = 8, decode_tokens = 32, threads = 1, repeats = 3;
   CLI::App app{"Prefill and decode of one prompt's n samples, with and without prefix sharing"};
   app.add_option("--model", model_path)->required();
@@ -38,10 +39,16 @@ int main(int argc, char** argv) {
   app.add_option("--n", n, "samples of the prompt (GRPO's group size)");
   app.add_option("--decode-tokens", decode_tokens);
   app.add_option("--dtype", dtype_name, "float32 or bfloat16");
+  app.add_option("--weights", weights_name, "generator.weights: full, int8 or int4");
   app.add_option("--threads", threads);
   app.add_option("--repeats", repeats, "runs per mode; the fastest counts");
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(static_cast<int>(threads));
+  auto weights = troupe::from_name<troupe::WeightFormat>(weights_name);
+  if (!weights) {
+    std::cerr << "--weights " << weights_name << ": expected full, int8 or int4\n";
+    return 2;
+  }
   auto dtype = dtype_name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
   auto m = troupe::load_model(model_path, {.dtype = dtype, .tokenizer = false});
   const auto& c = m.model->config();
@@ -52,7 +59,7 @@ int main(int argc, char** argv) {
 
   auto run = [&](troupe::PrefixSharing mode) {
     troupe::Engine engine(m.model, std::nullopt,
-                          {.max_batch = n, .max_seq_len = prompt_tokens + decode_tokens, .prefix = mode});
+                          {.max_batch = n, .max_seq_len = prompt_tokens + decode_tokens, .weights = *weights, .prefix = mode});
     if (engine.prefix_sharing() != mode) throw std::runtime_error("this engine cannot run the mode asked for");
     engine.generate({prompt}, {.n = n, .temperature = 0, .max_tokens = 2});  // warm-up
     Result best;
@@ -88,7 +95,7 @@ int main(int argc, char** argv) {
   };
 
   std::cout << "prompt " << prompt_tokens << " tokens, n " << n << ", " << decode_tokens << " tokens decoded, " << dtype_name
-            << ", " << threads << " thread(s), best of " << repeats << std::endl;
+            << ", weights " << weights_name << ", " << threads << " thread(s), best of " << repeats << std::endl;
   const std::pair<const char*, troupe::PrefixSharing> modes[] = {{"separate", troupe::PrefixSharing::separate},
                                                                  {"copy", troupe::PrefixSharing::copy},
                                                                  {"shared", troupe::PrefixSharing::shared}};
@@ -111,5 +118,8 @@ int main(int argc, char** argv) {
   std::printf("prefill: separate %.3f s, shared %.3f s: %.2fx less; decode step: separate %.4f s, shared %.4f s: %.2fx\n",
               sep.prefill_s, shr.prefill_s, sep.prefill_s / shr.prefill_s, sep.decode_step_s, shr.decode_step_s,
               sep.decode_step_s / shr.decode_step_s);
-  return shr.ids == sep.ids ? 0 : 1;
+  // In float32 the merged attention rounds like one pass over all keys, to ~1e-6, and the tokens
+  // must agree; in bfloat16 a single attention rounds its output to bf16 where the merge does
+  // not, so sampled tokens may part ways after a while.
+  return shr.ids == sep.ids || dtype != torch::kFloat32 ? 0 : 1;
 }
