@@ -7,8 +7,9 @@ the same threads (or the same GPU); prints tokens/s for each and the ratio. Each
 runs the same warm-up outside the timing, on every device: the first prompt, greedy, 4 tokens.
 
 The prefill is not the same work on both sides. troupe's engine prefills each prompt once, alone
-and unpadded, and copies its KV cache into the slots of the prompt's n samples, which all
-sample their first token from that one prefill's logits (Engine::prefill, generator/engine.cpp).
+and unpadded, and its n samples all sample their first token from that one prefill's logits;
+the prompt's keys and values are then held once for the n samples, whose decode steps read them
+once per step for the group (Engine::prefill, PrefixSharing::shared, generator/engine.cpp).
 transformers' generate with num_return_sequences=n repeats each prompt n times before its
 prefill: one forward over prompts x n rows, left-padded to the longest prompt. The ratio
 includes that saving, which is troupe's by design and grows with n and with the prompts' length.
