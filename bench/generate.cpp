@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   std::string model_path, prompts_path, dtype_name = "float32", device_name = "cpu";
   int64_t n = 8, max_tokens = 128, max_batch = 128;
   bool batch_invariant = false;
+  std::string prefix_name = "shared";
   CLI::App app{"Time troupe's generation engine"};
   app.add_option("--model", model_path)->required();
   app.add_option("--prompts", prompts_path, "JSON list of token-id lists")->required();
@@ -23,9 +24,16 @@ int main(int argc, char** argv) {
   app.add_option("--max-batch", max_batch);
   app.add_option("--dtype", dtype_name);
   app.add_option("--device", device_name, "cpu or cuda[:N]");
+  app.add_option("--prefix", prefix_name, "separate, copy or shared: the engine's PrefixSharing");
   app.add_flag("--batch-invariant", batch_invariant, "model.batch_invariant: the batch-invariant kernels (CPU)");
   CLI11_PARSE(app, argc, argv);
 
+  const std::map<std::string, troupe::PrefixSharing> prefixes = {
+      {"separate", troupe::PrefixSharing::separate}, {"copy", troupe::PrefixSharing::copy}, {"shared", troupe::PrefixSharing::shared}};
+  if (!prefixes.count(prefix_name)) {
+    std::cerr << "--prefix " << prefix_name << ": expected separate, copy or shared\n";
+    return 2;
+  }
   auto dtype = dtype_name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
   // Timing needs no device sync: every step brings its sampled ids back to the host.
   auto m = troupe::load_model(model_path, {.dtype = dtype, .device = torch::Device(device_name), .tokenizer = false});
@@ -33,7 +41,8 @@ int main(int argc, char** argv) {
   int64_t longest = 0;
   for (const auto& p : prompts) longest = std::max<int64_t>(longest, p.size());
   troupe::Engine engine(m.model, std::nullopt,
-                        {.max_batch = max_batch, .max_seq_len = longest + max_tokens, .batch_invariant = batch_invariant});
+                        {.max_batch = max_batch, .max_seq_len = longest + max_tokens, .batch_invariant = batch_invariant,
+                         .prefix = prefixes.at(prefix_name)});
   troupe::SamplingParams params{.n = n, .temperature = 1.0, .max_tokens = max_tokens, .ignore_eos = true, .seed = 0};
   engine.generate({prompts[0]}, {.temperature = 0, .max_tokens = 4});  // warm-up
   auto start = std::chrono::steady_clock::now();
