@@ -132,16 +132,12 @@ torch::Tensor GemmWeights::apply(const torch::Tensor& x, const std::vector<torch
   };
   if (format == WeightFormat::full) {
     // Full weights are never copied for good: kept, several parts first move into one buffer of
-    // which each part's parameter becomes a view (adopt), and from then on that buffer is the
+    // which each part's parameter becomes a view (fused), and from then on that buffer is the
     // fused weight itself. In-place writes (an optimizer step, update_weights) land in it.
     bias_ = torch::Tensor();
     quantized_ = {};
     key_.clear();
-    if (keep) {
-      adopt(weights);
-      adopt(biases);
-    }
-    auto weight = adjacent_view(weights), bias = adjacent_view(biases);
+    auto weight = fused(weights, keep), bias = fused(biases, keep);
     if (!weight.defined()) weight = join(weights);  // not kept: a concatenation for this call only
     if (!bias.defined()) bias = join(biases);
     bytes_ = size(weight) + size(bias);
@@ -186,15 +182,16 @@ torch::Tensor GemmWeights::adjacent_view(const std::vector<torch::Tensor>& parts
   return first.as_strided({rows, first.size(1)}, {first.size(1), 1});
 }
 
-void GemmWeights::adopt(const std::vector<torch::Tensor>& parts) {
-  if (parts.size() < 2 || adjacent_view(parts).defined()) return;
+torch::Tensor GemmWeights::fused(const std::vector<torch::Tensor>& parts, bool adopt) {
+  auto view = adjacent_view(parts);
+  if (view.defined() || !adopt || parts.empty()) return view;
   auto joined = torch::cat(parts);
   int64_t row = 0;
   for (auto t : parts) {  // a handle on the parameter itself: set_data changes what it holds
-    auto view = joined.narrow(0, row, t.size(0));
+    t.set_data(joined.narrow(0, row, t.size(0)));
     row += t.size(0);
-    t.set_data(view);
   }
+  return joined;
 }
 
 AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t layer)

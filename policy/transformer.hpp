@@ -129,8 +129,9 @@ struct GemmWeights {
   // parts [out_i, in] (or biases [out_i]) that lie side by side in one storage -> one view
   // [sum out_i, in] over them; undefined when they do not.
   static torch::Tensor adjacent_view(const std::vector<torch::Tensor>& parts);
-  // Moves parts that are not side by side into one new buffer; each becomes a view of its rows.
-  static void adopt(const std::vector<torch::Tensor>& parts);
+  // adjacent_view(parts); when they are not side by side and `adopt` is on, they are first moved
+  // into one new buffer, of which each part's parameter becomes a view of its rows.
+  static torch::Tensor fused(const std::vector<torch::Tensor>& parts, bool adopt);
 
   int64_t bytes_ = 0;
   torch::Tensor bias_;                  // the joined biases of a quantized format
