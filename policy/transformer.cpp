@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "kernels/batch_invariant.hpp"
+#include "kernels/prefix_attention.hpp"
 #include "policy/error.hpp"
 
 namespace troupe {
@@ -294,16 +295,10 @@ torch::Tensor AttentionImpl::attend_with_prefixes(const torch::Tensor& q, const 
   auto additive = torch::zeros(mask.sizes(), q.options()).masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());
   auto [own, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(grouped, k, v, 0.0, false, additive, scale);
   // own (B, nkv, g, hd); lse (B, nkv, g) float32
-  auto pre = torch::zeros({B, n_kv_heads_, per_kv, head_dim_}, own.options().dtype(torch::kFloat32));
-  auto pre_lse = torch::full({B, n_kv_heads_, per_kv}, -std::numeric_limits<double>::infinity(), pre.options());
-  for (const auto& group : prefixes) {
-    const int64_t G = group.rows.size(0);
-    auto rows = grouped.index_select(0, group.rows).transpose(0, 1).reshape({1, n_kv_heads_, G * per_kv, head_dim_});
-    auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(rows, group.kv->k[layer_], group.kv->v[layer_], 0.0,
-                                                                    false, std::nullopt, scale);
-    pre.index_copy_(0, group.rows, o.reshape({n_kv_heads_, G, per_kv, head_dim_}).transpose(0, 1).to(torch::kFloat32));
-    pre_lse.index_copy_(0, group.rows, lse.reshape({n_kv_heads_, G, per_kv}).transpose(0, 1));
-  }
+  std::vector<kernels::PrefixPart> parts;
+  parts.reserve(prefixes.size());
+  for (const auto& group : prefixes) parts.push_back({group.kv->k[layer_], group.kv->v[layer_], group.rows});
+  auto [pre, pre_lse] = kernels::prefix_attention(grouped, parts, scale);  // float32 (B, nkv, g, hd), (B, nkv, g)
   auto top = torch::maximum(own_lse, pre_lse);  // finite: a row's own keys include its new token
   auto w_own = (own_lse - top).exp().unsqueeze(-1), w_pre = (pre_lse - top).exp().unsqueeze(-1);
   auto out = (own.to(torch::kFloat32) * w_own + pre * w_pre) / (w_own + w_pre);
