@@ -189,7 +189,7 @@ void set_reference(GraphSpec& spec, const RunConfig& c, const Tokenizer& student
 GraphSpec graph_spec(const RunConfig& c, const Tokenizer& tokenizer, std::shared_ptr<PromptSource> source) {
   GraphSpec spec;
   spec.reward = std::make_shared<CombinedReward>(make_combined_reward(to_reward_specs(c)));  // plugins load here
-  spec.model_config = load_model(c.model.path, {.tokenizer = false}).config;
+  spec.model_config = load_config(c.model.path);  // the weights are loaded by make_policy, where they are used
   const LoadOptions load{.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device), .tokenizer = false};
   set_reference(spec, c, tokenizer, load);  // first: a teacher with another tokenizer fails before any training
   std::optional<std::map<std::string, torch::Tensor>> start;

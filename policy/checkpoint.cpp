@@ -174,24 +174,35 @@ void load_weights(TransformerImpl& model, const std::map<std::string, torch::Ten
   for (auto& [name, param] : params) param.copy_(weights.at(name));
 }
 
+namespace {
+void check_model_source(const fs::path& path) {
+  if (!fs::exists(path)) throw Error(path.string() + ": no such file or folder");
+  if (!fs::is_directory(path) && path.extension() != ".gguf")
+    throw Error(path.string() + ": not a model (expected a Hugging Face folder with config.json, or a .gguf file)");
+}
+}  // namespace
+
+ModelConfig load_config(const fs::path& path) {
+  check_model_source(path);
+  if (fs::is_directory(path)) return ModelConfig::from_file(path / "config.json");
+  return ModelConfig::from_json(gguf::hf_config(*gguf::File::open(path)), path.string());
+}
+
 LoadedModel load_model(const fs::path& path, const LoadOptions& options) {
+  check_model_source(path);
   LoadedModel m;
   m.source = path;
   std::map<std::string, torch::Tensor> weights;
-  if (!fs::exists(path)) {
-    throw Error(path.string() + ": no such file or folder");
-  } else if (fs::is_directory(path)) {
+  if (fs::is_directory(path)) {
     m.config = ModelConfig::from_file(path / "config.json");
     weights = read_safetensors(safetensors::Checkpoint::open_dir(path));
     if (fs::exists(path / "generation_config.json")) m.generation_config = read_json(path / "generation_config.json");
     if (options.tokenizer && fs::exists(path / "tokenizer.json")) m.tokenizer = Tokenizer::load(path);
-  } else if (path.extension() == ".gguf") {
+  } else {
     auto file = gguf::File::open(path);
     m.config = ModelConfig::from_json(gguf::hf_config(*file), path.string());
     weights = read_gguf(*file, m.config);
     if (options.tokenizer) m.tokenizer = Tokenizer::from_gguf(*file);
-  } else {
-    throw Error(path.string() + ": not a model (expected a Hugging Face folder with config.json, or a .gguf file)");
   }
   m.model = Transformer(m.config);
   load_weights(*m.model, weights, path.string());

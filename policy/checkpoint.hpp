@@ -36,6 +36,8 @@ struct LoadedModel {
 // A Hugging Face folder (config.json, safetensors weights, tokenizer files) or a .gguf file.
 // Errors name the file and what is wrong (missing or unexpected tensors, shape mismatches).
 LoadedModel load_model(const std::filesystem::path& path, const LoadOptions& options = {});
+// The same source's config alone (config.json, or the GGUF's metadata), without its weights.
+ModelConfig load_config(const std::filesystem::path& path);
 
 // Copies every parameter from `weights` name for name (converting dtype); throws Error
 // listing missing, unexpected or mis-shaped tensors. `origin` names the source in errors.
