@@ -120,6 +120,9 @@ TEST_CASE("paths that are not models give clear errors") {
   CHECK_THROWS_WITH_AS(load(dir), doctest::Contains("config.json: cannot open"), Error);
   std::ofstream(dir / "notes.txt") << "hello";
   CHECK_THROWS_WITH_AS(load(dir / "notes.txt"), doctest::Contains("notes.txt: not a model"), Error);
+  CHECK_THROWS_WITH_AS(load_config(dir / "nothing_here"), doctest::Contains("nothing_here: no such file or folder"), Error);
+  CHECK_THROWS_WITH_AS(load_config(dir), doctest::Contains("config.json: cannot open"), Error);
+  CHECK_THROWS_WITH_AS(load_config(dir / "notes.txt"), doctest::Contains("notes.txt: not a model"), Error);
 }
 
 TEST_CASE("the SmolLM2 GGUF converts to a Hugging Face folder") {
@@ -133,6 +136,23 @@ TEST_CASE("the SmolLM2 GGUF converts to a Hugging Face folder") {
   CHECK(fs::exists(out / "tokenizer_config.json"));
   auto again = load(out);
   check_same_tensors(*gguf.model, *again.model);
+  // The config alone, from the GGUF's metadata and from the folder's config.json, is the loaded model's.
+  for (const auto& path : {test::smollm2_gguf(), out}) {
+    CAPTURE(path);
+    const auto c = load_config(path);
+    CHECK(c.architecture == gguf.config.architecture);
+    CHECK(c.vocab_size == gguf.config.vocab_size);
+    CHECK(c.hidden_size == gguf.config.hidden_size);
+    CHECK(c.intermediate_size == gguf.config.intermediate_size);
+    CHECK(c.num_hidden_layers == gguf.config.num_hidden_layers);
+    CHECK(c.num_attention_heads == gguf.config.num_attention_heads);
+    CHECK(c.num_key_value_heads == gguf.config.num_key_value_heads);
+    CHECK(c.head_dim == gguf.config.head_dim);
+    CHECK(c.rms_norm_eps == gguf.config.rms_norm_eps);
+    CHECK(c.rope_theta == gguf.config.rope_theta);
+    CHECK(c.tie_word_embeddings == gguf.config.tie_word_embeddings);
+    CHECK(c.eos_token_ids == gguf.config.eos_token_ids);
+  }
   torch::manual_seed(1);
   write_logits(*again.model, out, again.config.vocab_size);
 }
