@@ -93,6 +93,7 @@ bench: build
 	$(PY) bench/sft_parallel.py --troupe $(BUILD)/troupe --bench $(BUILD)/bench/bench_sft --model $(MODEL) --work $(BUILD)/bench_models/smollm2 --sharding zero3
 	$(PY) bench/cluster_processes.py --troupe $(BUILD)/troupe --config configs/tiny_arithmetic_grpo.yaml --steps 60
 	$(PY) bench/async_overlap.py --troupe $(BUILD)/troupe --config configs/demo.yaml --steps 20 --set trainer.batch_groups=1 generator.group_size=6 generator.max_tokens=192 generator.max_seq_len=256
+	$(PY) bench/memory.py --troupe $(BUILD)/troupe --config configs/demo.yaml --dtype float32 --steps 4
 
 # Every parser's libFuzzer harness (tests/fuzz/: clang with ASan and UBSan, built in $(BUILD)/fuzz)
 # for FUZZ_RUNS executions each, or FUZZ_SECONDS where the parser is slower, seeded from the test
