@@ -121,11 +121,12 @@ def main():
     print("running:", " ".join(cmd), flush=True)
     samples = run_peak(cmd)
     peak = max(s[2] for s in samples)
+    print(f"peak RSS {peak / MB:.1f} MB", flush=True)
     runtime = runtime_bytes(args.troupe)
     shm_peak = max(s[3] for s in samples)
 
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    weights = metrics[-1]["weights/bytes"]
+    weights = max(m.get("weights/bytes", 0) for m in metrics)  # the steps that sent weights say their size
     import yaml  # a dependency of transformers
 
     run_config = yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))
