@@ -25,10 +25,13 @@ inline std::string bounded(int seconds, const std::string& command) {
   return "timeout " + std::to_string(seconds) + " sh -c " + shell_quote(command);
 }
 
+// The tiny arithmetic task's files (the format stage's too) from the fixtures of the build that
+// runs the test: the configs' own paths name the default build folder.
 inline std::string task_args(int64_t steps) {
   auto task = fixtures() / "arithmetic";
   return "model.path=" + shell_quote((task / "model").string()) + " data.train.path=" +
-         shell_quote((task / "train.jsonl").string()) + " trainer.steps=" + std::to_string(steps) +
+         shell_quote((task / "train.jsonl").string()) + " trainer.sft_warmup.path=" +
+         shell_quote((task / "format.jsonl").string()) + " trainer.steps=" + std::to_string(steps) +
          " run.deterministic=true async.max_staleness=1 generator.threads=1 trainer.threads=1";
 }
 

@@ -24,9 +24,7 @@ std::vector<nlohmann::json> learn(const std::string& name, const std::string& ar
   auto dir = fixtures() / name;
   fs::remove_all(dir);
   auto r = run_command(bounded(600, troupe_run("tiny_arithmetic_grpo",
-                                               task_args(steps) + " trainer.sft_warmup.path=" +
-                                                   shell_quote((fixtures() / "arithmetic" / "format.jsonl").string()) +
-                                                   " run.dir=" + shell_quote(dir.string()) + " " + args)) +
+                                               task_args(steps) + " run.dir=" + shell_quote(dir.string()) + " " + args)) +
                        " 2>&1");
   REQUIRE_MESSAGE(r.status == 0, r.out);
   auto m = metrics(dir);

@@ -27,6 +27,12 @@ std::string task_args(const std::string& data) {
   return "model.path=" + shell_quote((task / "model").string()) + " data.train.path=" + shell_quote((task / data).string());
 }
 
+// tiny_arithmetic_grpo's task, its format stage's data too: the config's own paths name the
+// default build folder, which another build (make test-sanitize's) does not fill.
+std::string graph_task_args() {
+  return task_args("train.jsonl") + " trainer.sft_warmup.path=" + shell_quote((fixtures() / "arithmetic" / "format.jsonl").string());
+}
+
 std::string read(const fs::path& file) {
   std::ifstream in(file);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
@@ -82,7 +88,7 @@ int wait_exit(const Running& r, std::chrono::milliseconds limit, double* seconds
 }  // namespace
 
 TEST_CASE("SIGTERM stops an actor-graph run at once, metrics intact") {
-  auto r = start("tiny_arithmetic_grpo", task_args("train.jsonl") + " trainer.steps=100000 run.checkpoint_every=0", "stop_sigterm", 3);
+  auto r = start("tiny_arithmetic_grpo", graph_task_args() + " trainer.steps=100000 run.checkpoint_every=0", "stop_sigterm", 3);
   kill(r.pid, SIGTERM);
   double seconds = 0;
   int status = wait_exit(r, std::chrono::seconds(5), &seconds);
@@ -135,7 +141,7 @@ TEST_CASE("a second Ctrl-C stops a trainer-alone run at once; the first asks for
 }
 
 TEST_CASE("one Ctrl-C stops an actor-graph run after the step in progress, with a checkpoint resume= continues") {
-  const std::string args = task_args("train.jsonl") + " trainer.steps=100000 run.checkpoint_every=0";
+  const std::string args = graph_task_args() + " trainer.steps=100000 run.checkpoint_every=0";
   auto r = start("tiny_arithmetic_grpo", args, "stop_graph_sigint", 3);
   kill(r.pid, SIGINT);
   double seconds = 0;
@@ -150,7 +156,7 @@ TEST_CASE("one Ctrl-C stops an actor-graph run after the step in progress, with 
   const auto checkpoint = r.dir / "checkpoints" / ("step_" + std::to_string(steps));
   REQUIRE(fs::exists(checkpoint / "trainer_state.json"));
   auto resumed = run_command("timeout 300 sh -c " + shell_quote(troupe_run("tiny_arithmetic_grpo",
-                                                                     task_args("train.jsonl") + " run.checkpoint_every=0" +
+                                                                     graph_task_args() + " run.checkpoint_every=0" +
                                                                          " trainer.steps=" + std::to_string(steps + 2) +
                                                                          " run.dir=" + shell_quote(r.dir.string()) +
                                                                          " resume=" + shell_quote(r.dir.string()))) +
