@@ -103,6 +103,8 @@ TEST_CASE("reinforce, the smallest recipe, learns the tiny task") {
   auto r = run_command(bounded(900, troupe_run("tiny_arithmetic_grpo", "recipe=reinforce model.path=" +
                                                               shell_quote((task / "model").string()) + " data.train.path=" +
                                                               shell_quote((task / "train.jsonl").string()) +
+                                                              " trainer.sft_warmup.path=" +
+                                                              shell_quote((task / "format.jsonl").string()) +
                                                               " trainer.steps=120 run.dir=" + shell_quote(dir.string()))) +
                        " 2>&1");
   INFO(r.out);

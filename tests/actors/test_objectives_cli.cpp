@@ -102,6 +102,7 @@ TEST_CASE("a teacher whose tokenizer is not the student's is refused, naming tea
   auto r = run_command(bounded(120, troupe_run("tiny_arithmetic_grpo", "recipe=distill teacher.path=" + shell_quote(other.string()) +
                                                                        " model.path=" + shell_quote((task / "model").string()) +
                                                                        " data.train.path=" + shell_quote((task / "train.jsonl").string()) +
+                                                                       " trainer.sft_warmup.path=" + shell_quote((task / "format.jsonl").string()) +
                                                                        " run.dir=" + shell_quote((fixtures() / "distill_refused").string()))) +
                        " 2>&1");
   CHECK(r.status != 0);
