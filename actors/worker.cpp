@@ -1,11 +1,14 @@
 #include "actors/worker.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <mutex>
 #include <thread>
-#include <algorithm>
 
 #include <spawn.h>
 #include <sys/wait.h>
@@ -66,6 +69,48 @@ int wait_until_down(actor_system& system, scoped_actor& self, const actor& built
   return status;
 }
 
+// Ends the process with the worker's status if the actor system's shutdown outlasts `limit`.
+// CAF 0.17.6's ~actor_system can wait forever for a detached actor that was sent to the run's
+// process: the actor has terminated, but its last reference is never dropped, so its private
+// thread waits in await_self_destroyed and the main thread in await_detached_threads. All of
+// troupe's handles are gone by then. Seen in about one exit in five of a worker that joined
+// mid-run, under AddressSanitizer's timing; CAF rewrote this shutdown path after 0.17.6
+// (actor-framework issue 1196). The worker's work is done by then, so nothing is lost.
+class ShutdownDeadline {
+ public:
+  ShutdownDeadline() = default;
+  ShutdownDeadline(const ShutdownDeadline&) = delete;
+  ShutdownDeadline& operator=(const ShutdownDeadline&) = delete;
+  ~ShutdownDeadline() {
+    {
+      std::lock_guard lock(mutex_);
+      done_ = true;
+    }
+    done_cv_.notify_one();
+    if (watchdog_.joinable()) watchdog_.join();
+  }
+
+  // Starts the clock; returns `status`.
+  int arm(int status, std::chrono::seconds limit) {
+    watchdog_ = std::thread([this, status, limit] {
+      std::unique_lock lock(mutex_);
+      if (done_cv_.wait_for(lock, limit, [this] { return done_; })) return;
+      std::cerr << "troupe worker: the actor system did not shut down within " << limit.count()
+                << " s (CAF 0.17 waits for a detached actor it still references); exiting with status " << status
+                << std::endl;
+      std::cout.flush();
+      std::_Exit(status);
+    });
+    return status;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  std::thread watchdog_;
+};
+
 std::chrono::milliseconds millis(double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); }
 
 // Asks the controller what to build, builds it, joins, and waits until the generator or the
@@ -120,6 +165,8 @@ int run_worker(const std::string& host, uint16_t port, const std::string& role, 
   actor_system_config config;
   add_message_types(config);
   config.load<io::middleman>();
+  ShutdownDeadline shutdown;  // outlives the system: it bounds the system's shutdown
+  constexpr std::chrono::seconds shutdown_limit{10};
   actor_system system{config};
   // The controller may still be starting: retry until the deadline.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
@@ -138,15 +185,16 @@ int run_worker(const std::string& host, uint16_t port, const std::string& role, 
     else if (controller.error() == sec::unexpected_actor_messaging_interface)
       why = "it speaks another version of troupe's actor protocol (another troupe build)";
     std::cerr << "troupe worker: cannot join the run at " << host << ":" << port << ": " << why << std::endl;
-    return 1;
+    return shutdown.arm(1, shutdown_limit);
   }
+  int status = 1;
   try {
-    return role == "generator" ? serve_generator(system, *controller, timeout_s)
-                               : serve_stage(system, *controller, role, timeout_s);
+    status = role == "generator" ? serve_generator(system, *controller, timeout_s)
+                                 : serve_stage(system, *controller, role, timeout_s);
   } catch (const std::exception& e) {
     std::cerr << "troupe worker: " << e.what() << std::endl;
-    return 1;
   }
+  return shutdown.arm(status, shutdown_limit);
 }
 
 WorkerProcesses::WorkerProcesses(std::filesystem::path program, const std::string& host, uint16_t port,
