@@ -32,13 +32,21 @@ test: build
 # Sanitizer in its own folder (a cold build: it compiles everything once more). The fuzz harnesses
 # have their own sanitizer build (make fuzz), so they are left out here. Options and suppressions,
 # each with its reason: tests/sanitize/. Not part of `make test` (see the README for its time).
+# Every process's report goes to a file in SANITIZE_REPORTS, so that one from a process a test
+# started and did not check (a worker, a server) fails the target too, after the suite has run.
 SANITIZE_BUILD ?= build-sanitize
-SANITIZE_ENV := ASAN_OPTIONS="$$(paste -sd: tests/sanitize/asan.options)" \
+SANITIZE_REPORTS := $(CURDIR)/$(SANITIZE_BUILD)/sanitizer-reports
+SANITIZE_ENV := ASAN_OPTIONS="$$(paste -sd: tests/sanitize/asan.options):log_path=$(SANITIZE_REPORTS)/report:log_exe_name=1" \
                 LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitize/lsan.supp:print_suppressions=0 \
-                UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:suppressions=$(CURDIR)/tests/sanitize/ubsan.supp
+                UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:suppressions=$(CURDIR)/tests/sanitize/ubsan.supp:log_path=$(SANITIZE_REPORTS)/report:log_exe_name=1
 test-sanitize: setup
 	@$(MAKE) --no-print-directory BUILD=$(SANITIZE_BUILD) CMAKE_ARGS=-DTROUPE_SANITIZE=address,undefined build
-	@cd $(SANITIZE_BUILD) && $(SANITIZE_ENV) ctest --output-on-failure --no-tests=error -j 2 -E '^fuzz_'
+	@rm -rf $(SANITIZE_REPORTS) && mkdir -p $(SANITIZE_REPORTS)
+	@cd $(SANITIZE_BUILD) && $(SANITIZE_ENV) ctest --output-on-failure --no-tests=error -j 2 -E '^fuzz_'; status=$$?; \
+	  reports=$$(ls $(SANITIZE_REPORTS)); \
+	  for f in $$reports; do echo "== sanitizer report $(SANITIZE_REPORTS)/$$f"; cat $(SANITIZE_REPORTS)/$$f; done; \
+	  if [ -n "$$reports" ]; then echo "make test-sanitize: $$(echo $$reports | wc -w) sanitizer reports (above)"; exit 1; fi; \
+	  exit $$status
 
 # A short async GRPO run of SmolLM2-135M-Instruct on generated arithmetic word problems
 # (configs/demo.yaml says why), reward printed per step, then the held-out split before (the base
