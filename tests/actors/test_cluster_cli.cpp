@@ -129,9 +129,18 @@ TEST_CASE("a generator worker killed with SIGKILL at 5 different steps: every ru
     auto dir = fixtures() / ("cluster_kill_" + std::to_string(kill_at));
     fs::remove_all(dir);
     auto log = fixtures() / ("cluster_kill_" + std::to_string(kill_at) + ".log");
+    // Under make test-sanitize, these runs (the run and its workers) skip LeakSanitizer's check at
+    // exit; AddressSanitizer's other checks stay on. In about half of them the run's process
+    // ends holding about 4 KB that CAF never frees: its BASP broker with its tables, a 1 KB
+    // object the actor system allocates as it starts, a mailbox element and two errors, all
+    // allocated inside libcaf_io and libcaf_core (Debian's CAF 0.17.6). Every other test here
+    // (the placements, the refused worker, the elastic worker, the killed controller) keeps the
+    // check, for the run and its workers. A suppression cannot be narrower: Debian builds CAF
+    // without frame pointers, so these stacks are one frame deep, and `leak:libcaf_core.so`
+    // would hide any leak of troupe's made inside an actor's handler.
     auto run = start_run("tiny_arithmetic_grpo", task_args(steps) + " cluster.generator_processes=2 run.dir=" +
                                                      shell_quote(dir.string()),
-                         log);
+                         log, "export ASAN_OPTIONS=\"${ASAN_OPTIONS:-}:detect_leaks=0\"; ");
     wait_for_steps(dir, kill_at);
     auto pids = worker_pids(log);
     REQUIRE(pids.size() == 2);
