@@ -71,15 +71,13 @@ struct Background {
   int port = -1;
 };
 
-// `shell`: commands run first, in the shell that starts the run (its environment is the run's).
-inline Background start_run(const std::string& config, const std::string& args, const fs::path& log,
-                            const std::string& shell = "") {
+inline Background start_run(const std::string& config, const std::string& args, const fs::path& log) {
   Background b{-1, log};
   fs::remove(log);
   b.pid = fork();
   REQUIRE(b.pid >= 0);
   if (b.pid == 0) {
-    std::string cmd = bounded(600, shell + troupe_run(config, args)) + " > " + shell_quote(log.string()) + " 2>&1";
+    std::string cmd = bounded(600, troupe_run(config, args)) + " > " + shell_quote(log.string()) + " 2>&1";
     execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }

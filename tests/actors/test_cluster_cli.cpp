@@ -118,20 +118,6 @@ TEST_CASE("reinforce, the smallest recipe, learns the tiny task") {
   CHECK(last > first + 0.3);
 }
 
-// Under make test-sanitize, the processes of the two cases below in which a process joins or
-// leaves mid-run (a SIGKILLed worker and its replacement; a worker that joins late) skip
-// LeakSanitizer's check at exit; AddressSanitizer's other checks and UBSan stay on. In some
-// of those runs one of the processes (the run's, or the late worker's) ends holding 4-5 KB that
-// CAF never frees, in a reference cycle: its BASP broker with its tables, the helper actor the
-// broker spawns for each node it learns of, a 1 KB object the actor system allocates as it
-// starts, mailbox elements and errors, all allocated inside libcaf_io and libcaf_core (Debian's
-// CAF 0.17.6). It was never seen in the other cases here, whose processes all join at the start
-// (the placements, the refused worker, reinforce, the killed controller): they keep the check,
-// for the run and its workers. A suppression cannot be narrower than this: Debian builds CAF
-// without frame pointers, so these stacks are one or two frames deep, and `leak:libcaf_core.so`
-// would hide any leak of troupe's made inside an actor's handler.
-const std::string kNoLeakCheck = "export ASAN_OPTIONS=\"${ASAN_OPTIONS:-}:detect_leaks=0\"; ";
-
 TEST_CASE("a generator worker killed with SIGKILL at 5 different steps: every run finishes, nothing lost or doubled") {
   // Kills in steps 2..12 of 26, so the replacement (a new process loading its model) has time to join.
   const int64_t steps = 26;
@@ -145,7 +131,7 @@ TEST_CASE("a generator worker killed with SIGKILL at 5 different steps: every ru
     auto log = fixtures() / ("cluster_kill_" + std::to_string(kill_at) + ".log");
     auto run = start_run("tiny_arithmetic_grpo", task_args(steps) + " cluster.generator_processes=2 run.dir=" +
                                                      shell_quote(dir.string()),
-                         log, kNoLeakCheck);
+                         log);
     wait_for_steps(dir, kill_at);
     auto pids = worker_pids(log);
     REQUIRE(pids.size() == 2);
@@ -175,10 +161,10 @@ TEST_CASE("elastic: a worker that joins mid-run takes prompts within a step; it 
   fs::remove_all(dir);
   auto run = start_run("tiny_arithmetic_grpo", task_args(60) + " cluster.generator_processes=1 run.dir=" +
                                                    shell_quote(dir.string()),
-                       fixtures() / "cluster_elastic.log", kNoLeakCheck);
+                       fixtures() / "cluster_elastic.log");
   wait_for_steps(dir, 3);
   auto extra_log = fixtures() / "cluster_elastic_extra.log";
-  auto extra = run_command("(" + bounded(600, kNoLeakCheck + shell_quote(env_dir("TROUPE_BIN").string()) + " worker --connect 127.0.0.1:" +
+  auto extra = run_command("(" + bounded(600, shell_quote(env_dir("TROUPE_BIN").string()) + " worker --connect 127.0.0.1:" +
                                                   std::to_string(run.port)) +
                            " > " + shell_quote(extra_log.string()) + " 2>&1; echo $? >> " +
                            shell_quote(extra_log.string()) + ") & echo started");
