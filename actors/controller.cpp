@@ -53,6 +53,7 @@ struct ControllerState {
   bool stopping = false;  // a stop was asked for: waiting for the trainer's checkpoint
   std::map<int64_t, WeightsReady> notices;  // versions on the weight plane, newest last
   double load_s = 0;                         // slowest generator load since the last report
+  double requantize_s = 0;                   // slowest requantization since the last report
   RunSummary summary;
   std::ofstream metrics, samples;  // run_dir/metrics.jsonl, samples.jsonl (a few completions per step)
   std::unique_ptr<RunBoard> board;  // run_dir/tb: the same, for TensorBoard
@@ -265,7 +266,8 @@ void report(Self self, const StepReport& r) {
   nlohmann::json samples = j.contains("samples") ? std::move(j["samples"]) : nlohmann::json::array();
   j.erase("samples");
   j["time/weights_load_s"] = st.load_s;
-  st.load_s = 0;
+  j["time/weights_requantize_s"] = st.requantize_s;
+  st.load_s = st.requantize_s = 0;
   j["generators/live"] = st.pool.live();
   j["generators/prompts"] = st.pool.take_handed();
   auto line = j.dump();
@@ -464,6 +466,7 @@ controller_actor::behavior_type controller(Self self, const GraphSpec* spec, act
         auto& st = self->state;
         st.pool.loaded(loaded.generator, loaded.version);
         st.load_s = std::max(st.load_s, loaded.load_s);
+        st.requantize_s = std::max(st.requantize_s, loaded.requantize_s);
         free_unneeded(st);
       },
       [=](const StepReport& r) {

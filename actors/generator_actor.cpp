@@ -139,7 +139,7 @@ void load(Self self, const WeightsReady& notice) {
   tell_busy(self, "loading weights");
   st.engine->update_weights(read_weights(notice, st.spec.weights_over_http), notice.version);
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  self->send(self->state.controller, WeightsLoaded{self->state.index, notice.version, s});
+  self->send(self->state.controller, WeightsLoaded{self->state.index, notice.version, s, st.engine->requantize_seconds()});
   tell_busy(self);
 }
 

@@ -54,6 +54,7 @@ struct WeightsLoaded {
   int64_t generator = 0;
   int64_t version = 0;
   double load_s = 0;
+  double requantize_s = 0;  // of load_s, the part spent requantizing (generator.weights int8, int4)
 };
 
 // What a generator or the trainer is doing, for the dashboard (runs/NAME/status.json): sent to
@@ -143,7 +144,7 @@ typename Inspector::result_type inspect(Inspector& f, WeightsReady& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WeightsLoaded& x) {
-  return f(caf::meta::type_name("WeightsLoaded"), x.generator, x.version, x.load_s);
+  return f(caf::meta::type_name("WeightsLoaded"), x.generator, x.version, x.load_s, x.requantize_s);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, ActorBusy& x) {

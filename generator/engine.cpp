@@ -5,6 +5,7 @@
 #include "generator/engine.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <map>
 #include <set>
@@ -82,6 +83,8 @@ Engine::Engine(Transformer model, std::optional<Tokenizer> tokenizer, EngineOpti
   model_->keep_fused_weights(true);  // weights change only through update_weights, between steps
   if (options_.batch_invariant) model_->set_batch_invariant(true);
   model_->set_weight_format(options_.weights);
+  torch::NoGradGuard no_grad;
+  model_->prepare_weights(weight.scalar_type());  // quantized here, not in the first decode step
 }
 
 Engine::~Engine() = default;
@@ -494,6 +497,9 @@ void Engine::update_weights(const std::map<std::string, torch::Tensor>& weights,
   {
     torch::NoGradGuard no_grad;
     for (const auto& [name, t] : weights) params[name].copy_(t);
+    auto start = std::chrono::steady_clock::now();
+    const int requantized = model_->prepare_weights(model_->lm_head_weight().scalar_type());
+    requantize_s_ = requantized ? std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() : 0;
   }
   version_ = version;
   if (options_.partial_rollouts != PartialRollouts::abort) {

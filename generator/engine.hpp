@@ -60,7 +60,7 @@ struct EngineOptions {
   // those of a full forward pass over it (model.batch_invariant), whatever shares the batch.
   bool batch_invariant = false;
   // The GEMM weights decoding reads (generator.weights): the model's own, or a weight-only int8 /
-  // int4 copy, requantized after each update_weights; log-probs are the quantized policy's.
+  // int4 copy, requantized by each update_weights; log-probs are the quantized policy's.
   WeightFormat weights = WeightFormat::full;
   PrefixSharing prefix = PrefixSharing::shared;
   uint64_t seed = 0;          // for requests without their own seed
@@ -90,6 +90,9 @@ class Engine {
   // policy version. Call between steps. Unknown names or shapes throw Error before any copy.
   void update_weights(const std::map<std::string, torch::Tensor>& weights, int64_t version);
   int64_t version() const { return version_; }
+  // Seconds the last update_weights spent requantizing (a quantized `weights` format), done
+  // there rather than in the next decode step; 0 for float weights.
+  double requantize_seconds() const { return requantize_s_; }
 
   const ModelConfig& config() const;
   const std::optional<Tokenizer>& tokenizer() const { return tokenizer_; }
@@ -123,6 +126,7 @@ class Engine {
   std::vector<Completion> finished_;              // aborted while waiting, reported by step()
   uint64_t next_request_id_ = 1;
   int64_t version_ = 0;
+  double requantize_s_ = 0;
   at::Generator default_generator_;
 };
 

@@ -102,6 +102,21 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x, bool training
   return invariant ? p.add_lora(kernels::bi_linear(x, p.base->weight, p.base->bias), x, training) : p.forward(x, training);
 }
 
+// The parts' weights and their biases (those that have one).
+std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> weights_of(
+    std::initializer_list<const Projection*> parts) {
+  std::vector<torch::Tensor> weights, biases;
+  for (const auto* p : parts) {
+    weights.push_back(p->base->weight);
+    if (p->base->bias.defined()) biases.push_back(p->base->bias);
+  }
+  return {std::move(weights), std::move(biases)};
+}
+
+torch::Tensor join(const std::vector<torch::Tensor>& ts) {
+  return ts.empty() ? torch::Tensor() : ts.size() == 1 ? ts[0] : torch::cat(ts);
+}
+
 }  // namespace
 
 torch::Tensor Projection::add_lora(const torch::Tensor& y, const torch::Tensor& x, bool training) const {
@@ -116,21 +131,38 @@ torch::Tensor Projection::add_lora(const torch::Tensor& y, const torch::Tensor& 
 
 torch::Tensor GemmWeights::apply(const torch::Tensor& x, std::initializer_list<const Projection*> parts,
                                  bool invariant) {
-  std::vector<torch::Tensor> weights, biases;
-  for (const auto* p : parts) {
-    weights.push_back(p->base->weight);
-    if (p->base->bias.defined()) biases.push_back(p->base->bias);
-  }
+  auto [weights, biases] = weights_of(parts);
   return apply(x, weights, biases, invariant);
+}
+
+bool GemmWeights::prepare(std::initializer_list<const Projection*> parts, torch::ScalarType activations) {
+  auto [weights, biases] = weights_of(parts);
+  return prepare(weights, biases, activations);
+}
+
+bool GemmWeights::prepare(const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& biases,
+                          torch::ScalarType activations) {
+  return keep && format != WeightFormat::full && refresh(weights, biases, activations);
+}
+
+bool GemmWeights::refresh(const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& biases,
+                          torch::ScalarType activations) {
+  std::vector<std::pair<const void*, int64_t>> key;
+  for (const auto& t : weights) key.emplace_back(t.data_ptr(), t._version());
+  for (const auto& t : biases) key.emplace_back(t.data_ptr(), t._version());
+  // Kept and still what a call needs: the same weights and (quantized) activations.
+  const bool kept = quantized_.defined() && quantized_.dequantized.defined() == (activations == torch::kFloat32);
+  if (keep && key == key_ && kept) return false;
+  bias_ = join(biases);
+  quantized_ = kernels::quantize_weight(join(weights), weight_bits(format), activations);
+  key_ = std::move(key);
+  return true;
 }
 
 torch::Tensor GemmWeights::apply(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                                  const std::vector<torch::Tensor>& biases, bool invariant) {
   // Called without autograd only (see AttentionImpl::forward).
   auto size = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : int64_t{0}; };
-  auto join = [](const std::vector<torch::Tensor>& ts) {
-    return ts.empty() ? torch::Tensor() : ts.size() == 1 ? ts[0] : torch::cat(ts);
-  };
   if (format == WeightFormat::full) {
     // Full weights are never copied for good: kept, several parts first move into one buffer of
     // which each part's parameter becomes a view (fused), and from then on that buffer is the
@@ -144,17 +176,8 @@ torch::Tensor GemmWeights::apply(const torch::Tensor& x, const std::vector<torch
     bytes_ = size(weight) + size(bias);
     return gemm(x, weight, bias, invariant);
   }
-  std::vector<std::pair<const void*, int64_t>> key;
-  for (const auto& t : weights) key.emplace_back(t.data_ptr(), t._version());
-  for (const auto& t : biases) key.emplace_back(t.data_ptr(), t._version());
-  // Kept and still what this call needs: the same weights and (quantized) activations.
-  const bool kept = quantized_.defined() && quantized_.dequantized.defined() == (x.scalar_type() == torch::kFloat32);
-  if (!(keep && key == key_ && kept)) {
-    TORCH_CHECK(!invariant, "batch-invariant kernels take float weights, not ", to_string(format));
-    bias_ = join(biases);
-    quantized_ = kernels::quantize_weight(join(weights), weight_bits(format), x.scalar_type());
-    key_ = std::move(key);
-  }
+  TORCH_CHECK(!invariant, "batch-invariant kernels take float weights, not ", to_string(format));
+  refresh(weights, biases, x.scalar_type());
   torch::Tensor y = kernels::quantized_linear(x, quantized_, bias_);
   bytes_ = quantized_.bytes() + size(bias_);
   if (!keep) {  // nothing stale held
@@ -386,6 +409,12 @@ void DecoderImpl::keep_fused_weights(bool on) {
   for (size_t l = 0; l < layers_->size(); ++l) layers_->ptr<DecoderLayerImpl>(l)->keep_fused_weights(on);
 }
 
+int DecoderImpl::prepare_weights(torch::ScalarType activations) {
+  int n = 0;
+  for (size_t l = 0; l < layers_->size(); ++l) n += layers_->ptr<DecoderLayerImpl>(l)->prepare_weights(activations);
+  return n;
+}
+
 void DecoderImpl::set_weight_format(WeightFormat f) {
   for (size_t l = 0; l < layers_->size(); ++l) layers_->ptr<DecoderLayerImpl>(l)->set_weight_format(f);
 }
@@ -440,6 +469,10 @@ void TransformerImpl::set_weight_format(WeightFormat format) {
   }
   model_->set_weight_format(format);
   lm_head_gemm_.format = format;
+}
+
+int TransformerImpl::prepare_weights(torch::ScalarType activations) {
+  return model_->prepare_weights(activations) + lm_head_gemm_.prepare({lm_head_weight()}, {}, activations);
 }
 
 int64_t TransformerImpl::gemm_weight_bytes() const { return model_->gemm_bytes() + lm_head_gemm_.bytes(); }

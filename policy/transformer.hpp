@@ -123,6 +123,12 @@ struct GemmWeights {
   torch::Tensor apply(const torch::Tensor& x, std::initializer_list<const Projection*> parts, bool invariant);
   torch::Tensor apply(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                       const std::vector<torch::Tensor>& biases, bool invariant);
+  // Quantized and kept: quantize now what apply would otherwise quantize in the first pass after
+  // the weights changed, for activations of dtype `activations`; true when it did (false when the
+  // kept copy is current, or for full weights or without `keep`).
+  bool prepare(std::initializer_list<const Projection*> parts, torch::ScalarType activations);
+  bool prepare(const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& biases,
+               torch::ScalarType activations);
   int64_t bytes() const { return bytes_; }  // what the last GEMM read of its weights (and biases)
 
  private:
@@ -132,6 +138,10 @@ struct GemmWeights {
   // adjacent_view(parts); when they are not side by side and `adopt` is on, they are first moved
   // into one new buffer, of which each part's parameter becomes a view of its rows.
   static torch::Tensor fused(const std::vector<torch::Tensor>& parts, bool adopt);
+  // The quantized copy of the weights made afresh unless `keep` is on and it is current; true
+  // when it was made.
+  bool refresh(const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& biases,
+               torch::ScalarType activations);
 
   int64_t bytes_ = 0;
   torch::Tensor bias_;                  // the joined biases of a quantized format
@@ -150,6 +160,9 @@ class AttentionImpl : public torch::nn::Module {
   void projections(const std::string& prefix, ProjectionList& out);
   void keep_fused_weights(bool on) { qkv_.keep = o_.keep = on; }
   void set_weight_format(WeightFormat f) { qkv_.format = o_.format = f; }
+  int prepare_weights(torch::ScalarType activations) {
+    return qkv_.prepare({&q_proj_, &k_proj_, &v_proj_}, activations) + o_.prepare({&o_proj_}, activations);
+  }
   int64_t gemm_bytes() const { return qkv_.bytes() + o_.bytes(); }
   void set_batch_invariant(bool on);
 
@@ -173,6 +186,9 @@ class MLPImpl : public torch::nn::Module {
   void projections(const std::string& prefix, ProjectionList& out);
   void keep_fused_weights(bool on) { gate_up_.keep = down_.keep = on; }
   void set_weight_format(WeightFormat f) { gate_up_.format = down_.format = f; }
+  int prepare_weights(torch::ScalarType activations) {
+    return gate_up_.prepare({&gate_proj_, &up_proj_}, activations) + down_.prepare({&down_proj_}, activations);
+  }
   int64_t gemm_bytes() const { return gate_up_.bytes() + down_.bytes(); }
   void set_batch_invariant(bool on) { invariant_ = on; }
 
@@ -196,6 +212,9 @@ class DecoderLayerImpl : public torch::nn::Module {
   void set_weight_format(WeightFormat f) {
     self_attn_->set_weight_format(f);
     mlp_->set_weight_format(f);
+  }
+  int prepare_weights(torch::ScalarType activations) {
+    return self_attn_->prepare_weights(activations) + mlp_->prepare_weights(activations);
   }
   int64_t gemm_bytes() const { return self_attn_->gemm_bytes() + mlp_->gemm_bytes(); }
   void set_batch_invariant(bool on) {
@@ -222,6 +241,7 @@ class DecoderImpl : public torch::nn::Module {
   void projections(const std::string& prefix, ProjectionList& out);
   void keep_fused_weights(bool on);
   void set_weight_format(WeightFormat f);
+  int prepare_weights(torch::ScalarType activations);
   int64_t gemm_bytes() const;
   void set_batch_invariant(bool on);
 
@@ -260,6 +280,11 @@ class TransformerImpl : public torch::nn::Module {
   // change. An Error naming the weight when the format cannot hold one (weight_format_fits).
   void set_weight_format(WeightFormat format);
   WeightFormat weight_format() const { return lm_head_gemm_.format; }
+  // Kept quantized copies (keep_fused_weights, a quantized format) brought up to date with the
+  // float parameters now, rather than in the next forward pass: an engine calls it as it takes
+  // new weights, so the requantization costs the weight sync, not the next decode step. For
+  // activations of dtype `activations`; returns how many GEMMs' weights it quantized.
+  int prepare_weights(torch::ScalarType activations);
   // Bytes of weights the last forward pass and LM head read through their GEMMs (block
   // projections and the LM head, in their format): what one decode step streams from memory.
   int64_t gemm_weight_bytes() const;

@@ -137,14 +137,23 @@ TEST_CASE("generator.weights int8: quantized engines under a float32 trainer lea
     CAPTURE(format);
     auto m = learn(std::string("learn_") + format, std::string("generator.weights=") + format, steps);
     const double first = mean_reward(m, 0, 5), last = mean_reward(m, steps - 10, 10);
-    double least_kl = 1e9, most_kl = 0;
+    double least_kl = 1e9, most_kl = 0, requantize_s = 0;
+    int64_t requantized = 0;  // steps whose report saw a sync that requantized
     for (const auto& j : m) {
+      const double r = j["time/weights_requantize_s"].get<double>();
+      const double load = j["time/weights_load_s"].get<double>();
+      CHECK(r <= load);                // a part of the load
+      CHECK((r > 0) == (load > 0));    // every int8 engine's load requantizes
+      requantized += r > 0;
+      requantize_s = std::max(requantize_s, r);
       if (j["mismatch/tokens"].get<int64_t>() == 0) continue;  // no completion of the trainer's version this step
       least_kl = std::min(least_kl, j["mismatch/kl"].get<double>());
       most_kl = std::max(most_kl, j["mismatch/kl"].get<double>());
     }
     MESSAGE(std::string(format) << " engines: reward/mean first 5 steps " << first << ", last 10 " << last << "; mismatch/kl "
-                   << least_kl << " to " << most_kl);
+                   << least_kl << " to " << most_kl << "; requantized in " << requantized << " step reports, at most "
+                   << requantize_s << " s");
+    CHECK(requantized > 0);
     CHECK(first < 0.3);
     CHECK(last > 0.7);
     CHECK(least_kl > 1e-7);  // the engines sample the quantized policy, and the trainer sees it

@@ -188,11 +188,28 @@ TEST_CASE("generator.weights int8 and int4: log-probs are the quantized policy's
         }
       }
       engine.update_weights(update, 1);
+      // ... there, not in the next decode step: the engine's kept copies (4 GEMMs a layer and the
+      // LM head) are current when it returns, and the time it took is reported on its own.
+      CHECK(engine.requantize_seconds() > 0);
+      CHECK(m.model->prepare_weights(torch::kFloat32) == 0);
+      {
+        torch::NoGradGuard no_grad;
+        m.model->named_parameters()["model.layers.1.mlp.down_proj.weight"].mul_(0.5);
+      }
+      CHECK(m.model->prepare_weights(torch::kFloat32) == 1);  // only the GEMM whose weight changed
+      engine.update_weights(update, 1);
+      CHECK(m.model->prepare_weights(torch::kFloat32) == 0);
       auto after = engine.generate({prompts()[2]}, params);
       for (const auto& c : after)
         CHECK(max_diff(c.logprobs, recompute_logprobs(*quantized.model, c, params.temperature)) < 1e-4);
     }
   }
+  // Float weights have nothing to requantize.
+  auto m = tiny();
+  Engine engine(m.model, std::nullopt, {.max_batch = 4, .max_seq_len = 64});
+  engine.update_weights({{"model.norm.weight", torch::ones_like(m.model->named_parameters()["model.norm.weight"])}}, 1);
+  CHECK(engine.requantize_seconds() == 0);
+  CHECK(m.model->prepare_weights(torch::kFloat32) == 0);
   // A weight whose input size int4's groups do not divide is refused, naming it; int8 takes it.
   auto config = tiny().model->config();
   config.hidden_size = 48;
