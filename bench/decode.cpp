@@ -64,16 +64,14 @@ int main(int argc, char** argv) {
   troupe::SamplingParams greedy{.temperature = 0, .max_tokens = max_tokens, .ignore_eos = true};
   using clock = std::chrono::steady_clock;
   auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
-  // What a weight sync costs a quantized engine: every GEMM weight quantized once (the kept q/k/v
-  // and gate/up concatenations come on top), timed apart from decoding.
+  // What a weight sync costs a quantized engine: its kept quantized copies made afresh, as
+  // Engine::update_weights makes them (the fused q/k/v and gate/up GEMMs, and the LM head), timed
+  // apart from decoding.
   double quantize_s = 0;
-  if (*weights != troupe::WeightFormat::full) {
+  {
     torch::NoGradGuard no_grad;
     auto q0 = clock::now();
-    for (const auto& [name, p] : m.model->projections())
-      troupe::kernels::quantize_weight(p->base->weight, troupe::weight_bits(*weights), dtype);
-    troupe::kernels::quantize_weight(m.model->lm_head_weight(), troupe::weight_bits(*weights), dtype);
-    quantize_s = seconds(q0, clock::now());
+    if (m.model->prepare_weights(dtype) > 0) quantize_s = seconds(q0, clock::now());
   }
   troupe::generate(*m.model, prompt, {.temperature = 0, .max_tokens = 4}, {});  // warm-up
   std::vector<clock::time_point> stamps;  // one per token, taken as soon as it is chosen

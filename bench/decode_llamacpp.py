@@ -80,7 +80,7 @@ def main():
           f"weights: llama.cpp computes with Q4_1, troupe with {args.weights} weights over {args.dtype} activations")
     print(f"CPU: bfloat16 {ours['cpu_bf16']}; memory bandwidth (plain copy, read + write): {bandwidth / 1e9:.1f} GB/s")
     if args.weights != "full":
-        print(f"troupe's quantization of every GEMM weight (a weight sync's cost): {ours['quantize_s']:.3f} s")
+        print(f"troupe's requantization at a weight sync (every GEMM's kept copy): {ours['quantize_s']:.3f} s")
     for name, r in (("troupe", ours), ("llama.cpp", theirs)):
         limit = bandwidth / r["bytes_per_token"]
         print(f"{name + ':':11}{r['tokens_per_s']:8.1f} tokens/s ({r['ms_per_token']:.2f} ms per token, "
