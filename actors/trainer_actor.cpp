@@ -45,8 +45,10 @@ struct TrainerActorState {
   // and such prompts drawn in the whole run (checkpointed: the data cursor counts them).
   std::map<int64_t, int64_t> refills, rounds;
   int64_t refilled = 0;
-  // Every ticket that has arrived: a prompt re-issued after its generator went away may come
-  // back twice (the first copy was already on its way); the second is dropped.
+  // The tickets of the buffered batches: a prompt re-issued after its generator went away may
+  // come back twice (the first copy was already on its way); the second is dropped. A batch
+  // trains only once every group handed out for it is back, so a group of a trained batch is
+  // such a second copy too, and a trained batch's tickets leave the set (a long run holds none).
   std::set<int64_t> arrived;
   int64_t duplicates = 0;  // dropped since the last step
   bool started = false;    // the controller said go
@@ -219,6 +221,7 @@ void train_batch(Self self, std::vector<RolloutGroup> batch) {
   std::sort(batch.begin(), batch.end(), [](const auto& a, const auto& b) { return a.ticket < b.ticket; });
   std::vector<RolloutGroup> groups, failed, filtered;
   for (auto& g : batch) {
+    st.arrived.erase(g.ticket);
     if (!g.error.empty())
       failed.push_back(std::move(g));
     else if (spec.dynamic_sampling && rewards_tie(g))
@@ -369,7 +372,7 @@ trainer_actor::behavior_type trainer(Self self, const GraphSpec* spec, controlle
     train_ready(self);
   },
   [=](RolloutGroup& g) {
-    if (!self->state.arrived.insert(g.ticket).second) {
+    if (g.batch < self->state.next_batch || !self->state.arrived.insert(g.ticket).second) {
       ++self->state.duplicates;
       return;
     }

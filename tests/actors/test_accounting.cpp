@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "actors/graph.hpp"
+#include "actors/trainer_actor.hpp"
 #include "policy/checkpoint.hpp"
 #include "tests/test_util.hpp"
 
@@ -279,4 +280,90 @@ TEST_CASE("dynamic sampling: a batch out of refill rounds trains what it has (he
     CHECK(j["loss"].is_null());
     CHECK(j["policy_version"].get<int64_t>() == 0);
   }
+}
+
+namespace {
+
+// A controller that keeps the trainer's step reports and takes every other message.
+struct ReportsSeen {
+  std::mutex mu;
+  std::vector<StepReport> reports;
+};
+
+controller_actor::behavior_type recording_controller(std::shared_ptr<ReportsSeen> seen) {
+  return {[](const WeightsReady&) {},
+          [](const WeightsLoaded&) {},
+          [seen](const StepReport& r) {
+            std::lock_guard lock(seen->mu);
+            seen->reports.push_back(r);
+          },
+          [](tick_atom) {},
+          [](const ActorBusy&) {},
+          [](join_atom) -> caf::result<int64_t, std::string, rollout_sink> { return caf::sec::unexpected_message; },
+          [](join_atom, int64_t, const generator_actor&, int64_t) {},
+          [](join_atom, const std::string&) -> caf::result<std::string, stage_router> { return caf::sec::unexpected_message; },
+          [](stop_atom, int64_t) {},
+          [](refill_atom, int64_t, int64_t) {}};
+}
+
+// A scored group of two completions of "1+1=" for `batch`, made by policy version 0.
+RolloutGroup scored_group(int64_t ticket, int64_t batch) {
+  RolloutGroup g;
+  g.prompt_id = static_cast<uint64_t>(ticket);
+  g.batch = batch;
+  g.ticket = ticket;
+  g.prompt_ids = {16, 10, 16, 28};
+  g.completion_ids = {{17, 3}, {18, 3}};
+  g.behaviour_logprobs = {{-1.0f, -0.5f}, {-2.0f, -0.5f}};
+  g.min_version = g.max_version = {0, 0};
+  g.truncated = {0, 0};
+  g.rewards["correct"] = g.reward = {1.0, 0.0};
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("the trainer drops a second copy of a group, whether its batch is still filling or already trained") {
+  // A prompt re-issued after its generator went away can come back twice. The trainer keeps only
+  // the tickets of the batches it still buffers, so a copy that comes after its batch trained is
+  // recognised by its batch, not by a record of every ticket the run has seen.
+  torch::manual_seed(0);
+  GraphSpec spec;
+  spec.make_policy = [] { return load_model(test::fixtures() / "hf_models" / "llama3", {.tokenizer = false}).model; };
+  spec.trainer = {.optimizer = {.lr = 1e-4}};
+  spec.batch_groups = 2;
+  spec.steps = 3;
+  spec.sampling = {.n = 2, .temperature = 1.0, .max_tokens = 2};
+  spec.max_staleness = 1;
+  spec.quiet = true;
+  auto seen = std::make_shared<ReportsSeen>();
+  auto reports = [&] {
+    std::lock_guard lock(seen->mu);
+    return seen->reports;
+  };
+  caf::actor_system_config config;
+  caf::actor_system system{config};
+  auto controller = system.spawn(recording_controller, seen);
+  auto trainer = spawn_trainer(system, &spec, controller);
+  caf::anon_send(trainer, go_atom::value);
+  auto wait_for = [&](size_t n) {
+    for (int i = 0; i < 600 && reports().size() < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    REQUIRE(reports().size() == n);  // within 60 s, or the trainer never trained the batch
+  };
+  caf::anon_send(trainer, scored_group(0, 0));
+  caf::anon_send(trainer, scored_group(0, 0));  // while batch 0 fills
+  caf::anon_send(trainer, scored_group(1, 0));
+  wait_for(1);
+  caf::anon_send(trainer, scored_group(1, 0));  // batch 0 has trained
+  caf::anon_send(trainer, scored_group(2, 1));
+  caf::anon_send(trainer, scored_group(3, 1));
+  wait_for(2);
+  auto r = reports();
+  CHECK(r[0].trained == std::vector<int64_t>{0, 1});
+  CHECK(r[1].trained == std::vector<int64_t>{2, 3});
+  CHECK(nlohmann::json::parse(r[0].json)["rollouts/duplicates_dropped"] == 1);
+  CHECK(nlohmann::json::parse(r[1].json)["rollouts/duplicates_dropped"] == 1);
+  CHECK(nlohmann::json::parse(r[1].json)["policy_version"] == 2);
+  caf::anon_send_exit(trainer, caf::exit_reason::user_shutdown);
+  caf::anon_send_exit(controller, caf::exit_reason::user_shutdown);
 }
