@@ -167,13 +167,38 @@ __global__ void rotary_kernel(const T* __restrict__ x, const T* __restrict__ cos
 }
 
 template <typename T>
-__global__ void swiglu_kernel(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ out, int64_t n) {
+__device__ __forceinline__ T swiglu_one(T gate, T up) {
+  const float g = static_cast<float>(gate);
+  const T act = T(g / (1.0f + expf(-g)));  // PyTorch's silu rounds to T before the product
+  return T(__fmul_rn(static_cast<float>(act), static_cast<float>(up)));
+}
+
+// 16 bytes of elements, moved by one load or store instruction.
+template <typename T>
+struct alignas(16) Pack16 {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+// `packed`: the three pointers are 16-byte aligned, so whole packs are read and written at once;
+// the last n mod pack elements, or all of them when unaligned, one at a time. On an H200 at
+// SmolLM2's 4096 x 1536 in bf16, element by element took 23.3 us against ATen's silu and mul's
+// 18.2; in packs, 10.6 us (bench/fused_kernels.cpp).
+template <typename T>
+__global__ void swiglu_kernel(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ out, int64_t n,
+                              bool packed) {
+  using Pack = Pack16<T>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const float g = static_cast<float>(gate[i]);
-    const T act = T(g / (1.0f + expf(-g)));  // PyTorch's silu rounds to T before the product
-    out[i] = T(__fmul_rn(static_cast<float>(act), static_cast<float>(up[i])));
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t packs = packed ? n / Pack::kSize : 0;
+  for (int64_t p = first; p < packs; p += stride) {
+    const Pack g = reinterpret_cast<const Pack*>(gate)[p], u = reinterpret_cast<const Pack*>(up)[p];
+    Pack o;
+#pragma unroll
+    for (int k = 0; k < Pack::kSize; ++k) o.v[k] = swiglu_one(g.v[k], u.v[k]);
+    reinterpret_cast<Pack*>(out)[p] = o;
   }
+  for (int64_t i = packs * Pack::kSize + first; i < n; i += stride) out[i] = swiglu_one(gate[i], up[i]);
 }
 
 // One block per row of V: the online max and sum of exp in one read of the row.
@@ -219,6 +244,10 @@ __global__ void target_logprobs_backward_kernel(const T* __restrict__ logits, co
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t elementwise_blocks(int64_t n) { return std::min(ceil_div(n, kElementwiseThreads), kMaxBlocks); }
+
+bool aligned16(std::initializer_list<const void*> pointers) {
+  return std::all_of(pointers.begin(), pointers.end(), [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; });
+}
 
 // About two elements per thread, in whole warps, at most 1024 threads.
 int row_threads(int64_t H) {
@@ -344,8 +373,10 @@ torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
   if (n == 0) return out;
   auto stream = at::cuda::getCurrentCUDAStream();
   TROUPE_DISPATCH_FLOATS(gate.scalar_type(), op, [&] {
-    swiglu_kernel<scalar_t><<<static_cast<unsigned>(elementwise_blocks(n)), kElementwiseThreads, 0, stream>>>(
-        gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n);
+    const bool packed = aligned16({gate.data_ptr(), up.data_ptr(), out.data_ptr()});
+    const int64_t threads = packed ? ceil_div(n, Pack16<scalar_t>::kSize) : n;
+    swiglu_kernel<scalar_t><<<static_cast<unsigned>(elementwise_blocks(threads)), kElementwiseThreads, 0, stream>>>(
+        gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, packed);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
