@@ -1,9 +1,9 @@
 """Generation throughput of SmolLM2-135M-Instruct (CPU or --device): troupe's engine against transformers.
 
-python bench/generation_throughput.py [--prompts 16 --n 8 --max-tokens 128] [--device cuda]
+python bench/generation_throughput.py [--prompts 16 --n 8 --max-tokens 128] [--device cuda] [--dtype bfloat16]
 Both sides sample n completions of the same chat-formatted GSM8K prompts (the same token
-ids), at temperature 1, to exactly max-tokens new tokens each (EOS ignored), in float32 on
-the same threads (or the same GPU); prints tokens/s for each and the ratio. Each side first
+ids), at temperature 1, to exactly max-tokens new tokens each (EOS ignored), in --dtype
+(float32 unless told) on the same threads (or the same GPU); prints tokens/s for each and the ratio. Each side first
 runs the same warm-up outside the timing, on every device: the first prompt, greedy, 4 tokens.
 
 The prefill is not the same work on both sides. troupe's engine prefills each prompt once, alone
@@ -39,6 +39,7 @@ def main():
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both sides")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations, both sides")
     p.add_argument("--batch-invariant", action="store_true", help="also time troupe with model.batch_invariant (CPU)")
     args = p.parse_args()
 
@@ -56,7 +57,7 @@ def main():
     def troupe_side(*extra):
         out = subprocess.run([args.bench, "--model", args.work, "--prompts", f.name, "--n", str(args.n),
                               "--max-tokens", str(args.max_tokens), "--max-batch", str(args.prompts * args.n),
-                              "--device", args.device, *extra],
+                              "--device", args.device, "--dtype", args.dtype, *extra],
                              check=True, capture_output=True, text=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
@@ -64,7 +65,7 @@ def main():
     invariant = troupe_side("--batch-invariant") if args.batch_invariant else None
 
     device = torch.device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(args.work, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.work, dtype=getattr(torch, args.dtype)).to(device).eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     width = max(len(q) for q in prompts)
     ids = torch.tensor([[pad] * (width - len(q)) + q for q in prompts], device=device)
@@ -88,7 +89,7 @@ def main():
 
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{torch.get_num_threads()} threads")
-    print(f"generation float32, {args.prompts} prompts x {args.n} samples x {args.max_tokens} new tokens, {where}")
+    print(f"generation {args.dtype}, {args.prompts} prompts x {args.n} samples x {args.max_tokens} new tokens, {where}")
     for name, r in (("troupe", ours), ("transformers", theirs)):
         print(f"{name + ':':14}{r['tokens_per_s']:9.1f} tokens/s ({r['tokens']} tokens in {r['seconds']:.1f} s)")
     print(f"ratio troupe / transformers: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
