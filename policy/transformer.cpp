@@ -3,13 +3,16 @@
 // activation checkpointing and sharding are applied from outside.
 #include "policy/transformer.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <numbers>
 
 #include <torch/torch.h>
 
 #include "kernels/batch_invariant.hpp"
+#include "kernels/fused.hpp"
 #include "kernels/prefix_attention.hpp"
 #include "policy/error.hpp"
 
@@ -31,15 +34,34 @@ bool batch_invariant_now(bool on, const torch::Tensor& x) {
          (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64);
 }
 
+// The fused CUDA kernels (kernels/fused.hpp) compute what the plain ops here compute; they take
+// over for inference on a GPU, where each plain op is a kernel launch: contiguous tensors of one
+// float dtype, no autograd.
+bool fused_now(std::initializer_list<const torch::Tensor*> tensors) {
+  static const bool built = kernels::fused_cuda_built();
+  if (!built || torch::GradMode::is_enabled()) return false;
+  const auto dtype = (*tensors.begin())->scalar_type();
+  if (dtype != torch::kFloat32 && dtype != torch::kBFloat16 && dtype != torch::kHalf) return false;
+  return std::all_of(tensors.begin(), tensors.end(),
+                     [&](const torch::Tensor* t) { return t->is_cuda() && t->is_contiguous() && t->scalar_type() == dtype; });
+}
+
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight_ = register_parameter("weight", torch::ones({dim}));
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   if (batch_invariant_now(invariant_, x)) return kernels::bi_rms_norm(x, weight_, eps_);
+  if (fused_now({&x, &weight_})) return kernels::rms_norm_residual(x, torch::Tensor(), weight_, eps_).first;
   auto h = x.to(at::promote_types(x.scalar_type(), torch::kFloat32));  // float64 stays float64
   h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
   return weight_ * h.to(x.scalar_type());
+}
+
+std::pair<torch::Tensor, torch::Tensor> RMSNormImpl::add_and_norm(const torch::Tensor& x, const torch::Tensor& residual) {
+  if (fused_now({&x, &residual, &weight_})) return kernels::rms_norm_residual(x, residual, weight_, eps_);
+  auto sum = residual + x;
+  return {forward(sum), sum};
 }
 
 RotaryEmbedding::RotaryEmbedding(const ModelConfig& c) {
@@ -84,6 +106,8 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 
 // x [B, heads, T, hd]; cos, sin [B, T, hd]
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  if (fused_now({&cos, &sin}) && x.scalar_type() == cos.scalar_type() && x.is_cuda())
+    return kernels::rotary(x.contiguous(), cos, sin);  // one copy and one kernel, for five
   auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   return x * c + rotate_half(x) * s;
 }
@@ -380,8 +404,8 @@ DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t layer) {
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                         const torch::Tensor& mask, KVCache* cache) {
-  auto h = x + self_attn_(input_layernorm_(x), cos, sin, mask, cache);
-  return h + mlp_(post_attention_layernorm_(h));
+  auto [normed, h] = post_attention_layernorm_->add_and_norm(self_attn_(input_layernorm_(x), cos, sin, mask, cache), x);
+  return h + mlp_(normed);
 }
 
 void DecoderLayerImpl::projections(const std::string& prefix, ProjectionList& out) {

@@ -63,6 +63,9 @@ class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);
   torch::Tensor forward(const torch::Tensor& x);
+  // (norm(residual + x), residual + x): the residual stream's add and the next norm (one fused
+  // kernel on a GPU in inference).
+  std::pair<torch::Tensor, torch::Tensor> add_and_norm(const torch::Tensor& x, const torch::Tensor& residual);
   void set_batch_invariant(bool on) { invariant_ = on; }
 
  private:
