@@ -88,6 +88,37 @@ TEST_CASE("the rounding rules: int8 within half a step of the row's scale, int4 
   CHECK(quantize_weight(w, 8, torch::kBFloat16).bytes() == 48 * 128 + 48 * 2);
 }
 
+TEST_CASE("quantize_weight's one-pass rule gives fake_quantize_reference's bits, on every thread count") {
+  // Engines requantize with quantize_weight at every sync; the reference is the plain-ATen rule.
+  torch::manual_seed(2);
+  auto odd = torch::randn({37, 96}) * 3;
+  odd[5].fill_(0);                                           // a zero row: the scale's floor
+  odd[7].fill_(0.25);                                        // a constant row: every group's range is 0
+  odd.index_put_({9, torch::indexing::Slice(0, 32)}, 1e-30);  // a group far below the floor
+  // Exact ties, which round to even: int8 with a scale of 1 (the row's largest is 127), and int4
+  // with a step of 1 (a group from 0 to 15).
+  using torch::indexing::Slice;
+  auto ties = torch::tensor({0.5f, 1.5f, 2.5f, -0.5f, -2.5f, 126.5f, 3.5f, 4.5f});
+  odd[11].fill_(0);
+  odd.index_put_({11, 0}, 127.0f);
+  odd.index_put_({11, Slice(1, 9)}, ties);
+  odd[12].fill_(0);
+  odd.index_put_({12, Slice(0, 2)}, torch::tensor({0.0f, 15.0f}));
+  odd.index_put_({12, Slice(2, 10)}, ties.abs().clamp_max(14.5f));
+  const int threads = torch::get_num_threads();
+  for (auto w : {torch::randn({256, 576}), odd, torch::randn({64, 128}).to(torch::kBFloat16)})
+    for (int64_t bits : {8, 4})
+      for (int n : {1, 2}) {
+        CAPTURE(w.sizes());
+        CAPTURE(bits);
+        CAPTURE(n);
+        torch::set_num_threads(n);
+        auto fast = quantize_weight(w, bits, torch::kFloat32).dequantized;
+        CHECK(torch::equal(fast, fake_quantize_reference(w, bits)));
+      }
+  torch::set_num_threads(threads);
+}
+
 TEST_CASE("what a format cannot hold is refused with the reason") {
   std::string why;
   CHECK_FALSE(quantized_weight_fits(4, 64, 48, torch::kCPU, &why));
