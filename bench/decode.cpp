@@ -1,7 +1,8 @@
 // troupe's side of bench/decode_llamacpp.py: single-sequence greedy decode with the plain
 // KV-cache loop (troupe::generate), EOS ignored, in a weight format (--weights). Times the decode
 // steps only (the prefill and the first token are timed apart), the quantization of the weights
-// (what a weight sync costs a quantized engine), the GEMM weight bytes a decode step reads, and
+// (what a weight sync costs a quantized engine; for bf16 on a CPU with native bf16, the packing of
+// the weights for oneDNN, unless --no-pack), the GEMM weight bytes a decode step reads, and
 // this machine's memory bandwidth by a plain copy; prints one JSON line with them and the ids.
 #include <chrono>
 #include <iostream>
@@ -14,6 +15,7 @@
 
 #include "generator/generate.hpp"
 #include "kernels/cpu_features.hpp"
+#include "kernels/packed_linear.hpp"
 #include "policy/checkpoint.hpp"
 
 namespace {
@@ -44,7 +46,10 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype_name);
   std::string weights_name = "full";
   app.add_option("--weights", weights_name, "full, int8 or int4");
+  bool no_pack = false;
+  app.add_flag("--no-pack", no_pack, "bf16: multiply by the plain weight, not a packed oneDNN copy (A/B)");
   CLI11_PARSE(app, argc, argv);
+  troupe::kernels::set_packed_linear(!no_pack);
 
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
   std::vector<int32_t> prompt;
@@ -90,6 +95,8 @@ int main(int argc, char** argv) {
                            {"quantize_s", quantize_s},
                            {"copy_bytes_per_s", copy_bandwidth()},
                            {"cpu_bf16", troupe::cpu_bf16().reason},
+                           {"packed_bf16", *weights == troupe::WeightFormat::full &&
+                                               troupe::kernels::packed_linear_pays(m.model->lm_head_weight(), dtype)},
                            {"ids", out.ids}};
   std::cout << result.dump() << std::endl;
   return 0;

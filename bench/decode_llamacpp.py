@@ -55,6 +55,8 @@ def main():
     p.add_argument("--threads", type=int, default=0, help="both sides; 0: LibTorch's default on troupe's side")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="troupe's side")
     p.add_argument("--weights", default="full", choices=["full", "int8", "int4"], help="troupe's side")
+    p.add_argument("--no-pack", action="store_true",
+                   help="troupe's side, bf16: the plain weights, not the packed oneDNN copies (for an A/B)")
     args = p.parse_args()
 
     llm = llama_cpp.Llama(model_path=args.model, n_ctx=1024, verbose=False)
@@ -64,7 +66,7 @@ def main():
 
     out = subprocess.run([args.bench, "--model", args.model, "--prompt-ids", ",".join(map(str, prompt)),
                           "--max-tokens", str(args.max_tokens), "--threads", str(args.threads), "--dtype", args.dtype,
-                          "--weights", args.weights],
+                          "--weights", args.weights] + (["--no-pack"] if args.no_pack else []),
                          check=True, capture_output=True, text=True).stdout
     ours = json.loads(out.strip().splitlines()[-1])
 
@@ -81,6 +83,8 @@ def main():
     print(f"CPU: bfloat16 {ours['cpu_bf16']}; memory bandwidth (plain copy, read + write): {bandwidth / 1e9:.1f} GB/s")
     if args.weights != "full":
         print(f"troupe's requantization at a weight sync (every GEMM's kept copy): {ours['quantize_s']:.3f} s")
+    elif ours["packed_bf16"]:
+        print(f"troupe's bf16 weights packed for oneDNN (at a weight sync too): {ours['quantize_s']:.3f} s")
     for name, r in (("troupe", ours), ("llama.cpp", theirs)):
         limit = bandwidth / r["bytes_per_token"]
         print(f"{name + ':':11}{r['tokens_per_s']:8.1f} tokens/s ({r['ms_per_token']:.2f} ms per token, "

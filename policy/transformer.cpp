@@ -13,6 +13,7 @@
 
 #include "kernels/batch_invariant.hpp"
 #include "kernels/fused.hpp"
+#include "kernels/packed_linear.hpp"
 #include "kernels/prefix_attention.hpp"
 #include "policy/error.hpp"
 
@@ -126,6 +127,15 @@ torch::Tensor project(const Projection& p, const torch::Tensor& x, bool training
   return invariant ? p.add_lora(kernels::bi_linear(x, p.base->weight, p.base->bias), x, training) : p.forward(x, training);
 }
 
+// What identifies the weights a kept copy was made from: each one's data pointer and version.
+std::vector<std::pair<const void*, int64_t>> key_of(const std::vector<torch::Tensor>& weights,
+                                                    const std::vector<torch::Tensor>& biases) {
+  std::vector<std::pair<const void*, int64_t>> key;
+  for (const auto& t : weights) key.emplace_back(t.data_ptr(), t._version());
+  for (const auto& t : biases) key.emplace_back(t.data_ptr(), t._version());
+  return key;
+}
+
 // The parts' weights and their biases (those that have one).
 std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> weights_of(
     std::initializer_list<const Projection*> parts) {
@@ -166,14 +176,30 @@ bool GemmWeights::prepare(std::initializer_list<const Projection*> parts, torch:
 
 bool GemmWeights::prepare(const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& biases,
                           torch::ScalarType activations) {
-  return keep && format != WeightFormat::full && refresh(weights, biases, activations);
+  if (!keep) return false;
+  if (format != WeightFormat::full) return refresh(weights, biases, activations);
+  auto weight = fused(weights, true);  // as apply fuses them (the biases too, read at each call)
+  fused(biases, true);
+  return repack(weight, activations, key_of(weights, biases));
+}
+
+bool GemmWeights::repack(const torch::Tensor& weight, torch::ScalarType activations,
+                         std::vector<std::pair<const void*, int64_t>> key) {
+  if (!keep || !kernels::packed_linear_pays(weight, activations)) {
+    packed_ = torch::Tensor();
+    key_.clear();
+    return false;
+  }
+  if (packed_.defined() && key == key_) return false;
+  packed_ = torch::Tensor();  // the stale copy freed before the new one is made
+  packed_ = kernels::pack_linear_weight(weight);
+  key_ = std::move(key);
+  return true;
 }
 
 bool GemmWeights::refresh(const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& biases,
                           torch::ScalarType activations) {
-  std::vector<std::pair<const void*, int64_t>> key;
-  for (const auto& t : weights) key.emplace_back(t.data_ptr(), t._version());
-  for (const auto& t : biases) key.emplace_back(t.data_ptr(), t._version());
+  auto key = key_of(weights, biases);
   // Kept and still what a call needs: the same weights and (quantized) activations.
   const bool kept = quantized_.defined() && quantized_.dequantized.defined() == (activations == torch::kFloat32);
   if (keep && key == key_ && kept) return false;
@@ -191,13 +217,18 @@ torch::Tensor GemmWeights::apply(const torch::Tensor& x, const std::vector<torch
     // Full weights are never copied for good: kept, several parts first move into one buffer of
     // which each part's parameter becomes a view (fused), and from then on that buffer is the
     // fused weight itself. In-place writes (an optimizer step, update_weights) land in it.
+    // Kept in bf16 on a CPU with native bf16, the GEMM reads a packed copy of that buffer, made
+    // again whenever a write to it moves its version.
     bias_ = torch::Tensor();
     quantized_ = {};
-    key_.clear();
     auto weight = fused(weights, keep), bias = fused(biases, keep);
     if (!weight.defined()) weight = join(weights);  // not kept: a concatenation for this call only
     if (!bias.defined()) bias = join(biases);
     bytes_ = size(weight) + size(bias);
+    if (!invariant && (repack(weight, x.scalar_type(), key_of(weights, biases)) || packed_.defined()))
+      return kernels::packed_linear(x, packed_, bias, weight.size(0));
+    packed_ = torch::Tensor();
+    key_.clear();
     return gemm(x, weight, bias, invariant);
   }
   TORCH_CHECK(!invariant, "batch-invariant kernels take float weights, not ", to_string(format));

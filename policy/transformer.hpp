@@ -118,6 +118,8 @@ struct Projection {
 //   `keep`, a concatenation is made for the call, unless the parts already lie side by side.
 // - int8, int4: the quantized copy is rebuilt on every call unless `keep` is on; then kept until a
 //   weight changes, seen by a new data pointer or a moved version counter.
+// - full bfloat16 on a CPU with native bf16, kept: a copy in oneDNN's blocked layout is kept the
+//   same way (kernels/packed_linear.hpp), since a plain bf16 weight is reordered in every call.
 struct GemmWeights {
   bool keep = false;
   WeightFormat format = WeightFormat::full;
@@ -126,9 +128,9 @@ struct GemmWeights {
   torch::Tensor apply(const torch::Tensor& x, std::initializer_list<const Projection*> parts, bool invariant);
   torch::Tensor apply(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                       const std::vector<torch::Tensor>& biases, bool invariant);
-  // Quantized and kept: quantize now what apply would otherwise quantize in the first pass after
-  // the weights changed, for activations of dtype `activations`; true when it did (false when the
-  // kept copy is current, or for full weights or without `keep`).
+  // Quantized (or packed) and kept: quantize now what apply would otherwise quantize in the first
+  // pass after the weights changed, for activations of dtype `activations`; true when it did
+  // (false when the kept copy is current, for full weights that are not packed, or without `keep`).
   bool prepare(std::initializer_list<const Projection*> parts, torch::ScalarType activations);
   bool prepare(const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& biases,
                torch::ScalarType activations);
@@ -145,10 +147,16 @@ struct GemmWeights {
   // when it was made.
   bool refresh(const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& biases,
                torch::ScalarType activations);
+  // Full weights: the fused weight, packed again when `keep` is on, a packed copy pays
+  // (packed_linear_pays) and it is not current (`key`, see key_); true when it packed. Where a
+  // packed copy does not pay, none is held.
+  bool repack(const torch::Tensor& weight, torch::ScalarType activations,
+              std::vector<std::pair<const void*, int64_t>> key);
 
   int64_t bytes_ = 0;
   torch::Tensor bias_;                  // the joined biases of a quantized format
   kernels::QuantizedWeight quantized_;  // format int8 or int4
+  torch::Tensor packed_;                // format full: the bf16 weight in oneDNN's layout
   std::vector<std::pair<const void*, int64_t>> key_;  // each weight's data pointer and version
 };
 
