@@ -180,16 +180,17 @@ bool GemmWeights::prepare(const std::vector<torch::Tensor>& weights, const std::
   if (format != WeightFormat::full) return refresh(weights, biases, activations);
   auto weight = fused(weights, true);  // as apply fuses them (the biases too, read at each call)
   fused(biases, true);
-  return repack(weight, activations, key_of(weights, biases));
+  return repack(weight, weights, biases, activations);
 }
 
-bool GemmWeights::repack(const torch::Tensor& weight, torch::ScalarType activations,
-                         std::vector<std::pair<const void*, int64_t>> key) {
+bool GemmWeights::repack(const torch::Tensor& weight, const std::vector<torch::Tensor>& weights,
+                         const std::vector<torch::Tensor>& biases, torch::ScalarType activations) {
   if (!keep || !kernels::packed_linear_pays(weight, activations)) {
     packed_ = torch::Tensor();
     key_.clear();
     return false;
   }
+  auto key = key_of(weights, biases);  // only here: float32 GEMMs pay nothing for packing
   if (packed_.defined() && key == key_) return false;
   packed_ = torch::Tensor();  // the stale copy freed before the new one is made
   packed_ = kernels::pack_linear_weight(weight);
@@ -217,15 +218,15 @@ torch::Tensor GemmWeights::apply(const torch::Tensor& x, const std::vector<torch
     // Full weights are never copied for good: kept, several parts first move into one buffer of
     // which each part's parameter becomes a view (fused), and from then on that buffer is the
     // fused weight itself. In-place writes (an optimizer step, update_weights) land in it.
-    // Kept in bf16 on a CPU with native bf16, the GEMM reads a packed copy of that buffer, made
-    // again whenever a write to it moves its version.
+    // The one exception: kept in bf16 on a CPU with native bf16, the GEMM reads a packed copy of
+    // that buffer (kernels/packed_linear.hpp), made again whenever a write moves its version.
     bias_ = torch::Tensor();
     quantized_ = {};
     auto weight = fused(weights, keep), bias = fused(biases, keep);
     if (!weight.defined()) weight = join(weights);  // not kept: a concatenation for this call only
     if (!bias.defined()) bias = join(biases);
     bytes_ = size(weight) + size(bias);
-    if (!invariant && (repack(weight, x.scalar_type(), key_of(weights, biases)) || packed_.defined()))
+    if (!invariant && (repack(weight, weights, biases, x.scalar_type()) || packed_.defined()))
       return kernels::packed_linear(x, packed_, bias, weight.size(0));
     packed_ = torch::Tensor();
     key_.clear();

@@ -147,11 +147,11 @@ struct GemmWeights {
   // when it was made.
   bool refresh(const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& biases,
                torch::ScalarType activations);
-  // Full weights: the fused weight, packed again when `keep` is on, a packed copy pays
-  // (packed_linear_pays) and it is not current (`key`, see key_); true when it packed. Where a
-  // packed copy does not pay, none is held.
-  bool repack(const torch::Tensor& weight, torch::ScalarType activations,
-              std::vector<std::pair<const void*, int64_t>> key);
+  // Full weights: the fused `weight` of the parts `weights` (and `biases`), packed again when
+  // `keep` is on, a packed copy pays (packed_linear_pays) and the kept one was made from other
+  // weights (key_); true when it packed. Where a packed copy does not pay, none is held.
+  bool repack(const torch::Tensor& weight, const std::vector<torch::Tensor>& weights,
+              const std::vector<torch::Tensor>& biases, torch::ScalarType activations);
 
   int64_t bytes_ = 0;
   torch::Tensor bias_;                  // the joined biases of a quantized format
