@@ -26,4 +26,18 @@ torch::Tensor sample_next(const torch::Tensor& logits, const SamplingParams& par
 // truncation only decides which tokens can occur.
 torch::Tensor truncate_probs(torch::Tensor probs, const SamplingParams& p);
 
+// The same for a batch, each row [R, V] with its own parameters (params[r]), in a fixed number
+// of whole-batch ops (one sort): no launch per row on an accelerator. Rows whose parameters cut
+// nothing come back unchanged; so does the whole batch when no row cuts anything.
+torch::Tensor truncate_rows(torch::Tensor probs, const std::vector<const SamplingParams*>& params);
+
+// Gumbel noise [R, V] on `device`, -log(-log(u)), with row r's uniforms a function of
+// (seeds[r], counters[r], token id) alone: a counter-based hash (two rounds of a 32-bit
+// integer mixer keyed by the row's splitmix64(seed, counter), computed in int64 without
+// overflow), so a row's draw depends on neither the batch around it nor the device, and the
+// whole batch takes a fixed number of element-wise ops. u has 23 random bits, centred in
+// (0, 1). The engine's sampler on accelerators; counters[r] is the sequence's token index.
+torch::Tensor hashed_gumbel(const std::vector<uint64_t>& seeds, const std::vector<int64_t>& counters, int64_t vocab,
+                            torch::Device device);
+
 }  // namespace troupe
