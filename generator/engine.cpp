@@ -33,7 +33,7 @@ struct Engine::Sequence {
   std::shared_ptr<const std::vector<int32_t>> prompt;
   std::shared_ptr<const SamplingParams> params;
   std::shared_ptr<const std::vector<int32_t>> stop_ids;
-  uint64_t seed;  // of `generator`, to restart the same random stream
+  uint64_t seed;  // of the noise: `generator` on the CPU, hashed with the token index elsewhere
   at::Generator generator;
   std::vector<int32_t> ids;
   std::vector<float> logprobs;
@@ -53,15 +53,9 @@ struct Engine::Sequence {
 
 namespace {
 
-// A sequence's noise stream on the model's device, so its draws happen where the logits are.
-// On the CPU it is the CPU generator it always was; elsewhere the device's own generator type
-// (Philox on CUDA), seeded the same way: reproducible per device, not across devices.
-at::Generator sample_generator(torch::Device device, uint64_t seed) {
-  if (device.is_cpu()) return at::make_generator<at::CPUGeneratorImpl>(seed);
-  auto gen = at::globalContext().getAcceleratorHooksInterface(device.type()).getNewGenerator(device.index());
-  gen.set_current_seed(seed);
-  return gen;
-}
+// A sequence's noise stream for sampling on the CPU. On an accelerator the sampler draws
+// hashed noise from (seed, token index) instead (hashed_gumbel), for the whole batch at once.
+at::Generator sample_generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
 }  // namespace
 
@@ -145,7 +139,7 @@ uint64_t Engine::add_request(std::vector<int32_t> prompt, SamplingParams params)
     seq->stop_ids = stop_ids;
     uint64_t base = params.seed ? *params.seed : default_generator_.get<at::CPUGeneratorImpl>()->random64();
     seq->seed = mix_seed(base, i);
-    seq->generator = sample_generator(model_->lm_head_weight().device(), seq->seed);
+    seq->generator = sample_generator(seq->seed);
     waiting_.push_back(std::move(seq));
   }
   return id;
@@ -201,58 +195,71 @@ void Engine::admit() {
 
 namespace {
 
-// logits [R, V] of the rows to sample -> (ids [R], log-probs [R]) with each row's own generator.
+// The rows to sample: each one's parameters and the source of its noise, which depends on the
+// sequence alone (its seed and how many tokens it has), never on the batch around it.
+struct Draws {
+  std::vector<const SamplingParams*> params;
+  std::vector<at::Generator*> generators;  // the CPU's noise: each sequence's own stream
+  std::vector<uint64_t> seeds;             // an accelerator's: hashed from (seed, token index)
+  std::vector<int64_t> counters;
+};
+
+template <class Sequence>
+void add_draw(Draws& draws, Sequence& seq) {
+  draws.params.push_back(seq.params.get());
+  draws.generators.push_back(&seq.generator);
+  draws.seeds.push_back(seq.seed);
+  draws.counters.push_back(static_cast<int64_t>(seq.ids.size()));
+}
+
+// logits [R, V] of the rows to sample -> (ids [R], log-probs [R]).
 // Everything runs on the logits' device; only the R ids and log-probs come back to the host.
-std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Tensor& logits,
-                                                                 const std::vector<const SamplingParams*>& params,
-                                                                 std::vector<at::Generator*>& generators, bool invariant) {
+std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Tensor& logits, Draws& draws,
+                                                                 bool invariant) {
+  const auto& params = draws.params;
   const int64_t R = static_cast<int64_t>(params.size());
   auto l = logits.to(torch::kFloat32);  // (R, V)
   const auto device = l.device();
   // Greedy rows report log-probs at temperature 1: the distribution whose mode they take.
   std::vector<float> temperature(R);
-  for (int64_t r = 0; r < R; ++r) temperature[r] = params[r]->temperature > 0 ? params[r]->temperature : 1.0f;
+  std::vector<uint8_t> sampled(R, 0);
+  bool any_sampled = false, any_cut = false;
+  for (int64_t r = 0; r < R; ++r) {
+    const SamplingParams& p = *params[r];
+    temperature[r] = p.temperature > 0 ? p.temperature : 1.0f;
+    sampled[r] = p.temperature > 0;
+    any_sampled |= p.temperature > 0;
+    any_cut |= p.temperature > 0 && (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0);
+  }
   // non_blocking: a small pageable copy is staged at once, without waiting for the forward pass.
   auto temperatures = torch::tensor(temperature).to(device, /*non_blocking=*/true).unsqueeze(1);  // (R, 1)
   // Batch-invariant: the log-softmax the trainer's recomputation runs, row by row (kernels/).
   auto logp = invariant && device.is_cpu() ? kernels::bi_log_softmax(l, temperatures.squeeze(1))
                                           : (l / temperatures).log_softmax(-1);  // (R, V)
   // Gumbel-max: argmax(log p + g), g = -log(-log(u)), draws exactly from p. Each row's noise
-  // comes from that sequence's own generator, so samples do not depend on the batch around
-  // them; everything else runs on the whole batch at once.
+  // depends on its sequence alone, so samples do not depend on the batch around them; the
+  // truncation runs on the whole batch in a fixed number of ops. A greedy row may go through
+  // the truncation too: it always keeps the row's most likely token, the one greedy picks.
   auto scores = logp.clone();
-  auto truncate_row = [&](int64_t r) {
-    const SamplingParams& p = *params[r];
-    if (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0)
-      scores[r].masked_fill_(truncate_probs(logp[r].exp(), p) == 0, -std::numeric_limits<float>::infinity());
-  };
-  if (device.is_cpu()) {
-    for (int64_t r = 0; r < R; ++r)
-      if (params[r]->temperature > 0) truncate_row(r);
+  if (any_cut) scores.masked_fill_(truncate_rows(logp.exp(), params) == 0, -std::numeric_limits<float>::infinity());
+  if (any_sampled && device.is_cpu()) {
     // The noise is most of the sampling time (a uniform, two logs per vocabulary entry): rows
     // are spread over the intra-op threads, each drawing from its own generator, so the
     // draws are the same whichever thread makes them.
     at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        if (params[r]->temperature <= 0) continue;
+        if (!sampled[r]) continue;
         auto row = scores[r];
-        auto u = torch::empty_like(row).uniform_(0.0, 1.0, *generators[r]);
+        auto u = torch::empty_like(row).uniform_(0.0, 1.0, *draws.generators[r]);
         row.sub_(u.log().neg().log());
       }
     });
-  } else {
-    // On an accelerator each op is a kernel launch: draw each row's uniforms into one
-    // buffer, then transform and add the noise for the whole batch in a few launches.
-    auto u = torch::full_like(scores, 0.5);
-    std::vector<uint8_t> sampled(R, 0);
-    for (int64_t r = 0; r < R; ++r) {
-      if (params[r]->temperature <= 0) continue;
-      sampled[r] = 1;
-      truncate_row(r);
-      u[r].uniform_(0.0, 1.0, *generators[r]);
-    }
+  } else if (any_sampled) {
+    // On an accelerator each op is a kernel launch: the noise of every row comes from one
+    // hash of (seed, token index) over the whole batch, and lands on the sampled rows only.
+    auto noise = hashed_gumbel(draws.seeds, draws.counters, scores.size(1), device);
     auto sampled_rows = torch::tensor(torch::ArrayRef<uint8_t>(sampled)).to(torch::kBool).to(device, /*non_blocking=*/true);
-    scores = torch::where(sampled_rows.unsqueeze(1), scores - u.log().neg().log(), scores);
+    scores = torch::where(sampled_rows.unsqueeze(1), scores + noise, scores);
   }
   auto ids_t = scores.argmax(-1);                                                   // (R)
   auto picked = logp.gather(1, ids_t.unsqueeze(1)).squeeze(1).cpu().contiguous();  // (R)
@@ -332,13 +339,9 @@ void Engine::prefill(std::vector<Sequence*> group) {
       }
     }
   }
-  std::vector<const SamplingParams*> params;
-  std::vector<at::Generator*> generators;
-  for (Sequence* seq : group) {
-    params.push_back(seq->params.get());
-    generators.push_back(&seq->generator);
-  }
-  auto [next, logprobs] = sample_rows(logits, params, generators, model_->batch_invariant());
+  Draws draws;
+  for (Sequence* seq : group) add_draw(draws, *seq);
+  auto [next, logprobs] = sample_rows(logits, draws, model_->batch_invariant());
   for (size_t i = 0; i < group.size(); ++i) {
     Sequence& seq = *group[i];
     seq.cached = P;
@@ -365,8 +368,7 @@ void Engine::decode() {
   // A row's slot holds its positions from `base` on (its prompt's are shared, or base is 0),
   // so each row reads its own keys [0, own length] and its group's prefix once for the group.
   std::vector<int64_t> tokens(rows, 0), positions(rows, 0), own(rows, 0), busy;
-  std::vector<const SamplingParams*> params;
-  std::vector<at::Generator*> generators;
+  Draws draws;
   std::map<const SharedKV*, std::vector<int64_t>> groups;
   int64_t span = 1;
   for (int64_t s = 0; s < rows; ++s) {
@@ -378,8 +380,7 @@ void Engine::decode() {
     span = std::max(span, own[s] + 1);
     if (seq.prefix) groups[seq.prefix.get()].push_back(s);
     busy.push_back(s);
-    params.push_back(seq.params.get());
-    generators.push_back(&slots_[s]->generator);
+    add_draw(draws, *slots_[s]);
   }
   // Every host-to-device copy happens here, before the forward pass is queued: a blocking copy
   // later would wait for the device to finish it.
@@ -399,7 +400,7 @@ void Engine::decode() {
   for (const auto& [kv, members] : groups) view.prefixes.push_back({kv, torch::tensor(members, long_opts).to(device)});
   auto hidden = model_->forward(ids, position.unsqueeze(1), mask, &view);       // (R, 1, H)
   auto logits = model_->logits(hidden.select(1, 0).index_select(0, busy_rows));  // (A, V)
-  auto [next, logprobs] = sample_rows(logits, params, generators, model_->batch_invariant());
+  auto [next, logprobs] = sample_rows(logits, draws, model_->batch_invariant());
   for (size_t i = 0; i < busy.size(); ++i) {
     Sequence& seq = *slots_[busy[i]];
     seq.cached += 1;
@@ -520,7 +521,7 @@ void Engine::update_weights(const std::map<std::string, torch::Tensor>& weights,
     seq.slot = -1;
     seq.stop_token.reset();
     seq.stop_string.reset();
-    seq.generator = sample_generator(model_->lm_head_weight().device(), seq.seed);
+    seq.generator = sample_generator(seq.seed);
     waiting_.push_front(std::move(*it));
   }
 }
