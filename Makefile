@@ -59,20 +59,26 @@ DEMO_DTYPE ?= auto
 DEMO_ARGS ?=
 DEMO_DIR := runs/demo
 DEMO_TEST := data/arithmetic_test.jsonl
-DEMO_BEFORE := runs/demo_eval_before.$(DEMO_DTYPE).txt
+# The dtype DEMO_DTYPE computes in on this machine (auto resolved, as troupe validate reports it),
+# so the base model's cached evaluation is one of the dtype the run trains in. Recursive: expanded
+# only when the demo's recipe runs, after the build.
+DEMO_RESOLVED = $(shell $(BUILD)/troupe validate configs/demo.yaml model.dtype=$(DEMO_DTYPE) | sed -n 's/^model.dtype: //p')
+DEMO_BEFORE = runs/demo_eval_before.$(DEMO_RESOLVED).txt
 # Same prompt as training: data.train.system and generator.max_tokens of configs/demo.yaml.
-DEMO_EVAL = $(BUILD)/troupe eval gsm8k --data $(DEMO_TEST) --max-tokens 32 --batch 50 --dtype $(DEMO_DTYPE) \
+DEMO_EVAL = $(BUILD)/troupe eval gsm8k --data $(DEMO_TEST) --max-tokens 32 --batch 50 --dtype $(DEMO_RESOLVED) \
             --system "$$(sed -n 's/^ *system: "\(.*\)".*/\1/p' configs/demo.yaml | head -1)"
 DEMO_SAMPLED := --samples 4 --temperature 0.7 --seed 0
 # Both evaluations of one model, one result line each: greedy, then sampled.
 DEMO_EVAL_BOTH = set -o pipefail; $(DEMO_EVAL) --model $(1) | tail -1 > $(2).part && \
                  $(DEMO_EVAL) $(DEMO_SAMPLED) --model $(1) | tail -1 >> $(2).part && mv $(2).part $(2)
 
-$(DEMO_BEFORE): configs/demo.yaml scripts/make_arithmetic_words.py | build
+runs/demo_eval_before.%.txt: configs/demo.yaml scripts/make_arithmetic_words.py | build
 	@mkdir -p $(@D)
 	$(call DEMO_EVAL_BOTH,$(MODEL),$@)
 
-demo: build $(DEMO_BEFORE)
+demo: build
+	@[ -n "$(DEMO_RESOLVED)" ] || $(BUILD)/troupe validate configs/demo.yaml model.dtype=$(DEMO_DTYPE)
+	@$(MAKE) --no-print-directory $(DEMO_BEFORE)
 	rm -rf $(DEMO_DIR)
 	$(BUILD)/troupe run configs/demo.yaml model.dtype=$(DEMO_DTYPE) $(DEMO_ARGS)
 	$(call DEMO_EVAL_BOTH,$$(ls -d $(DEMO_DIR)/checkpoints/step_* | sort -V | tail -1),$(DEMO_DIR)/eval_after.txt)

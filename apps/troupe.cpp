@@ -19,6 +19,7 @@
 #include "actors/config.hpp"
 #include "actors/launch.hpp"
 #include "actors/progress_line.hpp"
+#include "actors/recipe_run.hpp"
 #include "actors/run.hpp"
 #include "actors/worker.hpp"
 #include "actors/run_status.hpp"
@@ -496,6 +497,9 @@ int main(int argc, char** argv) {
       auto config = load_run_config(validate_config, validate_overrides);
       validate_paths(config);
       std::cout << validate_config << ": ok (" << summary(config) << ")" << std::endl;
+      // The dtype a run computes in on this machine: what auto chose and why, as troupe run says it.
+      const ModelDtype dtype = recipe::resolve_model_dtype(config.model);
+      std::cout << "model.dtype: " << to_string(dtype) << std::endl;
       return 0;
     }
     if (*score_cmd) {

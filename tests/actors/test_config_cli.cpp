@@ -20,9 +20,11 @@ using Run = troupe::test::CommandResult;
 
 std::string quote(const std::string& s) { return troupe::test::shell_quote(s); }
 
-// Runs `troupe ARGS` from the repository root, where config paths are relative to.
-Run run_troupe(const std::string& args) {
-  std::string cmd = "cd " + quote(source().string()) + " && " + quote(env_dir("TROUPE_BIN").string()) + " " + args + " 2>&1";
+// Runs `troupe ARGS` from the repository root, where config paths are relative to, with `env`
+// (NAME=VALUE ...) added to its environment.
+Run run_troupe(const std::string& args, const std::string& env = "") {
+  std::string cmd = "cd " + quote(source().string()) + " && " + (env.empty() ? "" : "env " + env + " ") +
+                    quote(env_dir("TROUPE_BIN").string()) + " " + args + " 2>&1";
   return troupe::test::run_command(cmd);
 }
 
@@ -41,6 +43,21 @@ TEST_CASE("troupe validate: a shipped config is ok, with a summary") {
   CHECK(o.status == 0);
   CHECK(o.out.find("3 steps") != std::string::npos);
   CHECK(o.out.find("G=2") != std::string::npos);
+}
+
+TEST_CASE("troupe validate: the last line is the dtype a run computes in here, auto resolved with its reason") {
+  auto explicit_fp32 = run_troupe("validate configs/demo.yaml model.dtype=float32");
+  CAPTURE(explicit_fp32.out);
+  CHECK(explicit_fp32.out.ends_with("\nmodel.dtype: float32\n"));
+  // TROUPE_CPU_BF16 overrides the CPU's features, as for every command.
+  auto without = run_troupe("validate configs/demo.yaml model.dtype=auto", "TROUPE_CPU_BF16=0");
+  CAPTURE(without.out);
+  CHECK(without.out.find("model.dtype auto: float32 (bfloat16 is not native on this CPU") != std::string::npos);
+  CHECK(without.out.ends_with("\nmodel.dtype: float32\n"));
+  auto with = run_troupe("validate configs/demo.yaml model.dtype=auto", "TROUPE_CPU_BF16=1");
+  CAPTURE(with.out);
+  CHECK(with.out.find("model.dtype auto: bfloat16 (this CPU computes it natively") != std::string::npos);
+  CHECK(with.out.ends_with("\nmodel.dtype: bfloat16\n"));
 }
 
 TEST_CASE("troupe validate: bad files and overrides exit 1 naming file, line and key") {
