@@ -73,13 +73,25 @@ Engine::Engine(Transformer model, std::optional<Tokenizer> tokenizer, EngineOpti
   prefix_ = options_.prefix;
   const bool flash = weight.is_cpu() && (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16);
   if (prefix_ == PrefixSharing::shared && (!flash || options_.batch_invariant)) prefix_ = PrefixSharing::copy;
+  decode_ = options_.decode;
+  if (decode_ == DecodeMode::automatic) decode_ = weight.is_cuda() ? DecodeMode::graphs : DecodeMode::eager;
+  if (decode_ != DecodeMode::eager) {
+    // Fixed shapes read each slot's own keys: no shared prefixes, no batch-invariant kernels.
+    if (options_.batch_invariant) throw Error("engine: batch-invariant kernels decode eagerly, not with fixed-shape steps");
+    if (prefix_ == PrefixSharing::shared) prefix_ = PrefixSharing::copy;
+  }
   model_->eval();
   model_->keep_fused_weights(true);  // weights change only through update_weights, between steps
   if (options_.batch_invariant) model_->set_batch_invariant(true);
   model_->set_weight_format(options_.weights);
   torch::NoGradGuard no_grad;
   model_->prepare_weights(weight.scalar_type());  // quantized here, not in the first decode step
+  if (decode_ != DecodeMode::eager)
+    static_decode_ = std::make_unique<StaticDecode>(*model_, cache_, options_.max_batch, options_.max_seq_len,
+                                                    /*capture=*/decode_ == DecodeMode::graphs);
 }
+
+int64_t Engine::decode_graphs() const { return static_decode_ ? static_decode_->graphs() : 0; }
 
 Engine::~Engine() = default;
 
@@ -384,22 +396,27 @@ void Engine::decode() {
   }
   // Every host-to-device copy happens here, before the forward pass is queued: a blocking copy
   // later would wait for the device to finish it.
-  auto ids = torch::tensor(tokens, long_opts).to(device).unsqueeze(1);         // (R, 1)
-  auto position = torch::tensor(positions, long_opts).to(device);               // (R)
-  auto write = torch::tensor(own, long_opts).to(device);                        // (R)
-  auto busy_rows = torch::tensor(busy, long_opts).to(device);                   // (A)
-  auto mask = (torch::arange(span, long_opts.device(device)).unsqueeze(0) <= write.unsqueeze(1))
-                  .view({rows, 1, 1, span});                                    // (R, 1, 1, span)
-  KVCache view;
-  for (size_t l = 0; l < cache_.k.size(); ++l) {
-    view.k.push_back(cache_.k[l].narrow(0, 0, rows));
-    view.v.push_back(cache_.v[l].narrow(0, 0, rows));
+  auto busy_rows = torch::tensor(busy, long_opts).to(device);  // (A)
+  torch::Tensor logits;                                        // (A, V)
+  if (static_decode_) {
+    logits = static_decode_->step(tokens, positions, own).index_select(0, busy_rows);
+  } else {
+    auto ids = torch::tensor(tokens, long_opts).to(device).unsqueeze(1);  // (R, 1)
+    auto position = torch::tensor(positions, long_opts).to(device);        // (R)
+    auto write = torch::tensor(own, long_opts).to(device);                 // (R)
+    auto mask = (torch::arange(span, long_opts.device(device)).unsqueeze(0) <= write.unsqueeze(1))
+                    .view({rows, 1, 1, span});                             // (R, 1, 1, span)
+    KVCache view;
+    for (size_t l = 0; l < cache_.k.size(); ++l) {
+      view.k.push_back(cache_.k[l].narrow(0, 0, rows));
+      view.v.push_back(cache_.v[l].narrow(0, 0, rows));
+    }
+    view.write_index = write;
+    view.span = span;
+    for (const auto& [kv, members] : groups) view.prefixes.push_back({kv, torch::tensor(members, long_opts).to(device)});
+    auto hidden = model_->forward(ids, position.unsqueeze(1), mask, &view);  // (R, 1, H)
+    logits = model_->logits(hidden.select(1, 0).index_select(0, busy_rows));
   }
-  view.write_index = write;
-  view.span = span;
-  for (const auto& [kv, members] : groups) view.prefixes.push_back({kv, torch::tensor(members, long_opts).to(device)});
-  auto hidden = model_->forward(ids, position.unsqueeze(1), mask, &view);       // (R, 1, H)
-  auto logits = model_->logits(hidden.select(1, 0).index_select(0, busy_rows));  // (A, V)
   auto [next, logprobs] = sample_rows(logits, draws, model_->batch_invariant());
   for (size_t i = 0; i < busy.size(); ++i) {
     Sequence& seq = *slots_[busy[i]];
@@ -500,6 +517,9 @@ void Engine::update_weights(const std::map<std::string, torch::Tensor>& weights,
     for (const auto& [name, t] : weights) params[name].copy_(t);
     auto start = std::chrono::steady_clock::now();
     const int requantized = model_->prepare_weights(model_->lm_head_weight().scalar_type());
+    // The copies above land in place, where the graphs read the weights; a remade quantized or
+    // packed copy is elsewhere, so the graphs are captured again.
+    if (requantized && static_decode_) static_decode_->clear();
     requantize_s_ = requantized ? std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() : 0;
   }
   version_ = version;

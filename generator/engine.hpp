@@ -17,6 +17,7 @@
 
 #include "generator/partial_rollouts.hpp"
 #include "generator/sampling.hpp"
+#include "generator/static_decode.hpp"
 #include "policy/tokenizer.hpp"
 #include "policy/transformer.hpp"
 
@@ -49,6 +50,15 @@ struct Completion {
 //   and bfloat16 without batch-invariant kernels; elsewhere the engine copies instead.
 enum class PrefixSharing { separate, copy, shared };
 
+// How decode steps run.
+// eager: op by op, at each step's own shape (rows up to the last busy slot, keys up to the
+//   longest row).
+// graphs: CUDA graphs of a few fixed shapes, captured once and replayed (generator/
+//   static_decode.hpp); a CUDA device and a CUDA build, else Error. Prefixes are then copied.
+// static_eager: the graphs' fixed shapes, run op by op: what a replay computes, on any device.
+// automatic: graphs on a CUDA device, eager elsewhere (vLLM's default; enforce_eager is eager).
+enum class DecodeMode { automatic, eager, graphs, static_eager };
+
 struct EngineOptions {
   int64_t max_batch = 32;     // decode slots: sequences generated together
   int64_t max_seq_len = 2048; // prompt + completion tokens a slot holds
@@ -63,6 +73,7 @@ struct EngineOptions {
   // int4 copy, requantized by each update_weights; log-probs are the quantized policy's.
   WeightFormat weights = WeightFormat::full;
   PrefixSharing prefix = PrefixSharing::shared;
+  DecodeMode decode = DecodeMode::automatic;
   uint64_t seed = 0;          // for requests without their own seed
 };
 
@@ -98,6 +109,8 @@ class Engine {
   const std::optional<Tokenizer>& tokenizer() const { return tokenizer_; }
   const EngineOptions& options() const { return options_; }
   PrefixSharing prefix_sharing() const { return prefix_; }  // options().prefix, or copy where shared cannot run
+  DecodeMode decode_mode() const { return decode_; }         // options().decode, automatic resolved
+  int64_t decode_graphs() const;                             // CUDA graphs captured so far
   int64_t running() const;  // sequences in slots
   int64_t waiting() const;  // samples queued for a slot
   // Calls f(request_id, index, ids, logprobs) for every sequence in a slot, with its tokens so
@@ -119,8 +132,10 @@ class Engine {
   std::optional<Tokenizer> tokenizer_;
   EngineOptions options_;
   PrefixSharing prefix_;
+  DecodeMode decode_;
   std::vector<int32_t> eos_ids_;
   KVCache cache_;
+  std::unique_ptr<StaticDecode> static_decode_;  // graphs and static_eager
   std::vector<std::unique_ptr<Sequence>> slots_;  // [max_batch]; null when free
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<Completion> finished_;              // aborted while waiting, reported by step()

@@ -122,6 +122,93 @@ TEST_CASE("prefix sharing: a request's samples decode the same tokens whether th
   }
 }
 
+TEST_CASE("fixed-shape decode steps (what CUDA graphs replay) give the eager steps' tokens and log-probs") {
+  for (const char* name : {"llama3", "qwen3"}) {
+    CAPTURE(std::string(name));
+    auto m = tiny(name);
+    // max_batch 7: rows padded to 1, 2, 4 or 7; 30 new tokens after a 9-token prompt cross the
+    // key spans 16, 32 and 64; groups of 3 split over slots beside other requests' rows.
+    auto run = [&](DecodeMode mode, const SamplingParams& params) {
+      Engine engine(m.model, std::nullopt, {.max_batch = 7, .max_seq_len = 64, .decode = mode});
+      CHECK(engine.decode_mode() == mode);
+      CHECK(engine.decode_graphs() == 0);  // nothing captured off a GPU
+      return engine.generate(prompts(), params);
+    };
+    for (double temperature : {0.0, 1.0}) {
+      CAPTURE(temperature);
+      SamplingParams params{.n = 3, .temperature = temperature, .max_tokens = 30, .ignore_eos = true, .seed = 5};
+      auto eager = run(DecodeMode::eager, params), fixed = run(DecodeMode::static_eager, params);
+      REQUIRE(fixed.size() == eager.size());
+      double worst = 0, worst_full = 0;
+      for (size_t i = 0; i < fixed.size(); ++i) {
+        CHECK(fixed[i].ids == eager[i].ids);
+        worst = std::max(worst, max_diff(fixed[i].logprobs, eager[i].logprobs));
+        worst_full = std::max(worst_full, max_diff(fixed[i].logprobs, recompute_logprobs(*m.model, fixed[i], temperature > 0 ? temperature : 1.0)));
+      }
+      MESSAGE(std::string(name) << " T=" << temperature << ": fixed shapes against eager, max abs log-prob difference "
+                                << worst << "; against a full forward pass " << worst_full);
+      CHECK(worst < 1e-5);
+      CHECK(worst_full < 1e-4);
+    }
+  }
+}
+
+TEST_CASE("fixed-shape decode: vLLM's batch sizes and power-of-two key spans") {
+  CHECK(StaticDecode::batch_sizes(1) == std::vector<int64_t>{1});
+  CHECK(StaticDecode::batch_sizes(7) == std::vector<int64_t>{1, 2, 4, 7});
+  CHECK(StaticDecode::batch_sizes(20) == std::vector<int64_t>{1, 2, 4, 8, 16, 20});
+  CHECK(StaticDecode::batch_sizes(32) == std::vector<int64_t>{1, 2, 4, 8, 16, 24, 32});
+  CHECK(StaticDecode::span_for(1, 64) == 16);
+  CHECK(StaticDecode::span_for(16, 64) == 16);
+  CHECK(StaticDecode::span_for(17, 64) == 32);
+  CHECK(StaticDecode::span_for(40, 48) == 48);  // never past the cache
+}
+
+TEST_CASE("decode modes: automatic is eager on the CPU; graphs off a GPU and fixed shapes with batch-invariant kernels are errors") {
+  auto m = tiny();
+  Engine automatic(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 16});
+  CHECK(automatic.decode_mode() == DecodeMode::eager);
+  CHECK(automatic.prefix_sharing() == PrefixSharing::shared);
+  Engine fixed(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 16, .decode = DecodeMode::static_eager});
+  CHECK(fixed.prefix_sharing() == PrefixSharing::copy);  // fixed shapes read each slot's own keys
+  CHECK_THROWS_WITH_AS(Engine(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 16, .decode = DecodeMode::graphs}),
+                       doctest::Contains("CUDA"), Error);
+  CHECK_THROWS_WITH_AS(Engine(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 16, .batch_invariant = true,
+                                                      .decode = DecodeMode::static_eager}),
+                       doctest::Contains("batch-invariant"), Error);
+}
+
+TEST_CASE("CUDA graphs: replayed decode steps give the eager steps' tokens and log-probs (GPU)") {
+  if (!torch::cuda::is_available()) {
+    MESSAGE("GPU part skipped: no CUDA device here");
+    return;
+  }
+  auto m = tiny("qwen3");
+  m.model->to(torch::Device(torch::kCUDA, 0));
+  auto run = [&](DecodeMode mode, const SamplingParams& params, int64_t* graphs) {
+    Engine engine(m.model, std::nullopt, {.max_batch = 7, .max_seq_len = 64, .decode = mode});
+    auto out = engine.generate(prompts(), params);
+    if (graphs) *graphs = engine.decode_graphs();
+    return out;
+  };
+  Engine automatic(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 16});
+  CHECK(automatic.decode_mode() == DecodeMode::graphs);
+  for (double temperature : {0.0, 1.0}) {
+    CAPTURE(temperature);
+    SamplingParams params{.n = 3, .temperature = temperature, .max_tokens = 30, .ignore_eos = true, .seed = 5};
+    int64_t graphs = 0;
+    auto eager = run(DecodeMode::eager, params, nullptr), replayed = run(DecodeMode::graphs, params, &graphs);
+    CHECK(graphs > 1);
+    double worst = 0;
+    for (size_t i = 0; i < replayed.size(); ++i) {
+      CHECK(replayed[i].ids == eager[i].ids);
+      worst = std::max(worst, max_diff(replayed[i].logprobs, eager[i].logprobs));
+    }
+    MESSAGE("T=" << temperature << ": " << graphs << " graphs, max abs log-prob difference against eager " << worst);
+    CHECK(worst < 1e-4);
+  }
+}
+
 TEST_CASE("prefix sharing falls back to copies where it cannot run: batch-invariant kernels, float64") {
   auto m = tiny();
   Engine invariant(m.model, std::nullopt, {.max_batch = 2, .max_seq_len = 16, .batch_invariant = true});
