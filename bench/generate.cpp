@@ -2,6 +2,7 @@
 // prompt (token ids from a JSON file) to a fixed length; prints one JSON line with timings.
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
@@ -15,7 +16,7 @@ int main(int argc, char** argv) {
   std::string model_path, prompts_path, dtype_name = "float32", device_name = "cpu";
   int64_t n = 8, max_tokens = 128, max_batch = 128;
   bool batch_invariant = false;
-  std::string prefix_name = "shared";
+  std::string prefix_name = "shared", decode_name = "auto";
   CLI::App app{"Time troupe's generation engine"};
   app.add_option("--model", model_path)->required();
   app.add_option("--prompts", prompts_path, "JSON list of token-id lists")->required();
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype_name);
   app.add_option("--device", device_name, "cpu or cuda[:N]");
   app.add_option("--prefix", prefix_name, "separate, copy or shared: the engine's PrefixSharing");
+  app.add_option("--decode", decode_name, "auto, eager, graphs or static_eager: the engine's DecodeMode (auto: graphs on CUDA)");
   app.add_flag("--batch-invariant", batch_invariant, "model.batch_invariant: the batch-invariant kernels (CPU)");
   CLI11_PARSE(app, argc, argv);
 
@@ -34,23 +36,37 @@ int main(int argc, char** argv) {
     std::cerr << "--prefix " << prefix_name << ": expected separate, copy or shared\n";
     return 2;
   }
+  const std::map<std::string, troupe::DecodeMode> decodes = {{"auto", troupe::DecodeMode::automatic},
+                                                              {"eager", troupe::DecodeMode::eager},
+                                                              {"graphs", troupe::DecodeMode::graphs},
+                                                              {"static_eager", troupe::DecodeMode::static_eager}};
+  if (!decodes.count(decode_name)) {
+    std::cerr << "--decode " << decode_name << ": expected auto, eager, graphs or static_eager\n";
+    return 2;
+  }
   auto dtype = dtype_name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
-  // Timing needs no device sync: every step brings its sampled ids back to the host.
-  auto m = troupe::load_model(model_path, {.dtype = dtype, .device = torch::Device(device_name), .tokenizer = false});
-  auto prompts = nlohmann::json::parse(std::ifstream(prompts_path)).get<std::vector<std::vector<int32_t>>>();
-  int64_t longest = 0;
-  for (const auto& p : prompts) longest = std::max<int64_t>(longest, p.size());
-  troupe::Engine engine(m.model, std::nullopt,
-                        {.max_batch = max_batch, .max_seq_len = longest + max_tokens, .batch_invariant = batch_invariant,
-                         .prefix = prefixes.at(prefix_name)});
-  troupe::SamplingParams params{.n = n, .temperature = 1.0, .max_tokens = max_tokens, .ignore_eos = true, .seed = 0};
-  engine.generate({prompts[0]}, {.temperature = 0, .max_tokens = 4});  // warm-up
-  auto start = std::chrono::steady_clock::now();
-  auto out = engine.generate(prompts, params);
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  int64_t tokens = 0;
-  for (const auto& c : out) tokens += c.ids.size();
-  std::cout << nlohmann::json{{"seconds", seconds}, {"tokens", tokens}, {"tokens_per_s", tokens / seconds}}.dump()
-            << std::endl;
+  try {  // an engine or model that cannot run here is an error message, not an abort
+    // Timing needs no device sync: every step brings its sampled ids back to the host.
+    auto m = troupe::load_model(model_path, {.dtype = dtype, .device = torch::Device(device_name), .tokenizer = false});
+    auto prompts = nlohmann::json::parse(std::ifstream(prompts_path)).get<std::vector<std::vector<int32_t>>>();
+    int64_t longest = 0;
+    for (const auto& p : prompts) longest = std::max<int64_t>(longest, p.size());
+    troupe::Engine engine(m.model, std::nullopt,
+                          {.max_batch = max_batch, .max_seq_len = longest + max_tokens, .batch_invariant = batch_invariant,
+                           .prefix = prefixes.at(prefix_name), .decode = decodes.at(decode_name)});
+    troupe::SamplingParams params{.n = n, .temperature = 1.0, .max_tokens = max_tokens, .ignore_eos = true, .seed = 0};
+    engine.generate({prompts[0]}, {.temperature = 0, .max_tokens = 4});  // warm-up
+    auto start = std::chrono::steady_clock::now();
+    auto out = engine.generate(prompts, params);
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    int64_t tokens = 0;
+    for (const auto& c : out) tokens += c.ids.size();
+    std::cout << nlohmann::json{{"seconds", seconds}, {"tokens", tokens}, {"tokens_per_s", tokens / seconds},
+                                {"graphs", engine.decode_graphs()}}.dump()
+              << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "bench_generate: " << e.what() << "\n";
+    return 1;
+  }
   return 0;
 }

@@ -14,6 +14,9 @@ transformers' generate with num_return_sequences=n repeats each prompt n times b
 prefill: one forward over prompts x n rows, left-padded to the longest prompt. The ratio
 includes that saving, which is troupe's by design and grows with n and with the prompts' length.
 
+On a GPU, troupe's engine replays CUDA graphs of its decode step (its default there); the script
+also times it decoding eagerly, and prints the graphs' speed-up.
+
 --batch-invariant also times troupe with model.batch_invariant (the kernels that make its
 log-probs the trainer's bit for bit): the price of exactness, as a ratio to troupe's default kernels.
 """
@@ -63,6 +66,9 @@ def main():
 
     ours = troupe_side()
     invariant = troupe_side("--batch-invariant") if args.batch_invariant else None
+    # On a GPU troupe decodes with CUDA graphs (the engine's default there); eager is the same
+    # engine launching every op, for the graphs' share of the ratio.
+    eager = troupe_side("--decode", "eager") if args.device != "cpu" else None
 
     device = torch.device(args.device)
     model = AutoModelForCausalLM.from_pretrained(args.work, dtype=getattr(torch, args.dtype)).to(device).eval()
@@ -93,6 +99,9 @@ def main():
     for name, r in (("troupe", ours), ("transformers", theirs)):
         print(f"{name + ':':14}{r['tokens_per_s']:9.1f} tokens/s ({r['tokens']} tokens in {r['seconds']:.1f} s)")
     print(f"ratio troupe / transformers: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
+    if eager:
+        print(f"{'troupe, eager decode:':26}{eager['tokens_per_s']:9.1f} tokens/s ({eager['tokens']} tokens in "
+              f"{eager['seconds']:.1f} s); CUDA graphs: {ours['graphs']} captured, {ours['tokens_per_s'] / eager['tokens_per_s']:.2f}x eager")
     if invariant:
         print(f"{'troupe, batch-invariant:':26}{invariant['tokens_per_s']:9.1f} tokens/s "
               f"({invariant['tokens']} tokens in {invariant['seconds']:.1f} s)")
