@@ -107,7 +107,7 @@ StaticDecode::StaticDecode(TransformerImpl& model, KVCache& cache, int64_t max_b
   key_index_ = torch::arange(max_seq_len, longs);
   // The inputs are staged in one host buffer, pinned on a GPU so their copy does not block; a
   // step's sampled ids come back to the host before the next step overwrites it.
-  staging_ = torch::zeros({3, max_batch}, torch::kLong);
+  staging_ = torch::zeros({3 * max_batch}, torch::kLong);
   if (device.is_cuda()) staging_ = staging_.pin_memory();
 }
 
@@ -145,7 +145,7 @@ torch::Tensor StaticDecode::step(const std::vector<int64_t>& tokens, const std::
   const int64_t size = *std::lower_bound(sizes_.begin(), sizes_.end(), rows);
   const int64_t span = span_for(last + 1, max_seq_len_);
   // The padding rows' inputs are zeros: a dummy token at write 0 of their own (free) slots.
-  auto host = staging_.narrow(1, 0, size);
+  auto host = staging_.narrow(0, 0, 3 * size).view({3, size});  // contiguous, so it copies as it is
   host.zero_();
   std::copy(tokens.begin(), tokens.end(), host[0].data_ptr<int64_t>());
   std::copy(positions.begin(), positions.end(), host[1].data_ptr<int64_t>());

@@ -59,7 +59,7 @@ class StaticDecode {
   bool capture_;
   std::vector<int64_t> sizes_;
   torch::Tensor ids_, positions_, write_, key_index_;  // [max_batch, 1], [max_batch, 1], [max_batch], [max_seq_len]
-  torch::Tensor staging_;                              // [3, max_batch] on the host: tokens, positions, writes
+  torch::Tensor staging_;  // [3 * max_batch] on the host: a step's tokens, positions and writes, `size` each
   std::unique_ptr<Capture> capture_state_;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Graph>> graphs_;  // (size, span)
 };
