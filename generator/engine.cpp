@@ -404,15 +404,7 @@ void Engine::decode() {
     auto ids = torch::tensor(tokens, long_opts).to(device).unsqueeze(1);  // (R, 1)
     auto position = torch::tensor(positions, long_opts).to(device);        // (R)
     auto write = torch::tensor(own, long_opts).to(device);                 // (R)
-    auto mask = (torch::arange(span, long_opts.device(device)).unsqueeze(0) <= write.unsqueeze(1))
-                    .view({rows, 1, 1, span});                             // (R, 1, 1, span)
-    KVCache view;
-    for (size_t l = 0; l < cache_.k.size(); ++l) {
-      view.k.push_back(cache_.k[l].narrow(0, 0, rows));
-      view.v.push_back(cache_.v[l].narrow(0, 0, rows));
-    }
-    view.write_index = write;
-    view.span = span;
+    auto [view, mask] = cache_.per_row(rows, write, span, torch::arange(span, long_opts.device(device)));
     for (const auto& [kv, members] : groups) view.prefixes.push_back({kv, torch::tensor(members, long_opts).to(device)});
     auto hidden = model_->forward(ids, position.unsqueeze(1), mask, &view);  // (R, 1, H)
     logits = model_->logits(hidden.select(1, 0).index_select(0, busy_rows));

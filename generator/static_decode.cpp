@@ -119,15 +119,7 @@ StaticDecode::~StaticDecode() {
 void StaticDecode::clear() { graphs_.clear(); }
 
 torch::Tensor StaticDecode::forward(int64_t size, int64_t span) {
-  auto write = write_.narrow(0, 0, size);
-  auto mask = (key_index_.narrow(0, 0, span).unsqueeze(0) <= write.unsqueeze(1)).view({size, 1, 1, span});
-  KVCache view;
-  for (size_t l = 0; l < cache_.k.size(); ++l) {
-    view.k.push_back(cache_.k[l].narrow(0, 0, size));
-    view.v.push_back(cache_.v[l].narrow(0, 0, size));
-  }
-  view.write_index = write;
-  view.span = span;
+  auto [view, mask] = cache_.per_row(size, write_.narrow(0, 0, size), span, key_index_);
   auto hidden = model_.forward(ids_.narrow(0, 0, size), positions_.narrow(0, 0, size), mask, &view);  // (size, 1, H)
   return model_.logits(hidden.select(1, 0));                                                            // (size, V)
 }

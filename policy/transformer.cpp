@@ -30,6 +30,19 @@ KVCache KVCache::allocate(const ModelConfig& c, int64_t batch, int64_t capacity,
   return cache;
 }
 
+std::pair<KVCache, torch::Tensor> KVCache::per_row(int64_t rows, const torch::Tensor& write, int64_t span,
+                                                   const torch::Tensor& keys) const {
+  KVCache view;
+  for (size_t l = 0; l < k.size(); ++l) {
+    view.k.push_back(k[l].narrow(0, 0, rows));
+    view.v.push_back(v[l].narrow(0, 0, rows));
+  }
+  view.write_index = write;
+  view.span = span;
+  auto mask = (keys.narrow(0, 0, span).unsqueeze(0) <= write.unsqueeze(1)).view({rows, 1, 1, span});
+  return {std::move(view), mask};
+}
+
 bool batch_invariant_now(bool on, const torch::Tensor& x) {
   return on && !torch::GradMode::is_enabled() && x.is_cpu() &&
          (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64);

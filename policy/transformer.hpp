@@ -49,6 +49,11 @@ struct KVCache {
 
   static KVCache allocate(const ModelConfig& config, int64_t batch, int64_t capacity,
                           torch::TensorOptions options);
+  // The first `rows` rows of this cache in per-row mode (the engine's decode step): row r writes
+  // its new key at write[r] and attends over keys [0, span). `keys` holds 0, 1, ... (at least span
+  // of them). Returns the view and its mask, keys <= write, shaped [rows, 1, 1, span].
+  std::pair<KVCache, torch::Tensor> per_row(int64_t rows, const torch::Tensor& write, int64_t span,
+                                            const torch::Tensor& keys) const;
   int64_t capacity() const { return k.empty() ? 0 : k[0].size(2); }
 };
 
