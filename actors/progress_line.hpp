@@ -17,7 +17,8 @@ namespace troupe {
 class Pace {
  public:
   explicit Pace(int64_t total_steps);
-  // "1.8 steps/min  ETA 9m12s" after step `step`; "done" at the last one.
+  // "1.8 steps/min  ETA 9m12s" after step `step`; "done" at the last one. Called after every step
+  // of this process, printed or not: the first call marks the step this process started after.
   std::string tick(int64_t step);
 
  private:

@@ -206,6 +206,7 @@ void RunFolder::step(int64_t step, nlohmann::json j, int64_t tokens, GraphResult
   board_->metrics(j);
   status_.running(step, {{.name = "trainer", .state = "training", .detail = "step " + std::to_string(step) + " of " +
                                                                       std::to_string(c_.trainer.steps)}});
+  const std::string pace = pace_.tick(step);  // every step, logged or not: Pace counts from the first
   if (step % c_.run.log_every == 0 || step == c_.trainer.steps) {
     const bool colour = colour_terminal();
     std::string line = std::string(colour ? "\033[1m" : "") + "step " + std::to_string(step) + "/" +
@@ -216,7 +217,6 @@ void RunFolder::step(int64_t step, nlohmann::json j, int64_t tokens, GraphResult
       std::snprintf(buf, sizeof buf, "  %s %.4g", key, j[key].get<double>());
       line += buf;
     }
-    const std::string pace = pace_.tick(step);
     if (!pace.empty()) line += std::string("  ") + (colour ? "\033[2m" : "") + pace + (colour ? "\033[0m" : "");
     std::cout << line << std::endl;
   }
