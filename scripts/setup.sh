@@ -10,6 +10,7 @@ APT_PACKAGES=(
   libcaf-dev libyaml-cpp-dev libmsgpack-cxx-dev libcpp-httplib-dev nlohmann-json3-dev
   libpcre2-dev libutf8proc-dev libcli11-dev doctest-dev
   libgloo-dev   # declarations for c10d's Gloo process group; gloo itself is inside libtorch_cpu.so
+  libjemalloc-dev  # every executable's malloc (CMakeLists.txt says why)
   libginac-dev  # computer algebra for the math verifier's equivalence of answers
   libprotobuf-dev protobuf-compiler libboost-dev  # TensorBoard event files (runs/NAME/tb/; Boost.CRC's CRC32C)
   libplplot-dev plplot-driver-cairo  # troupe plot (PNG through cairo, SVG)
