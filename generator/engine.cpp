@@ -224,10 +224,48 @@ void add_draw(Draws& draws, Sequence& seq) {
   draws.counters.push_back(static_cast<int64_t>(seq.ids.size()));
 }
 
-// logits [R, V] of the rows to sample -> (ids [R], log-probs [R]).
+// The CPU's sampler: each row on its own, spread over the intra-op threads, from its bf16 or
+// float32 logits to its id and log-prob, in buffers of one row that stay in cache. No [R, V]
+// tensor is made: at 128 rows x 49152 tokens each one is 25 MB of fresh pages per step, and
+// their page faults cost more than the sampling. Each row's values are those of the batched
+// ops (log_softmax row by row, the same noise), so its samples are too.
+std::pair<std::vector<int32_t>, std::vector<float>> sample_rows_cpu(const torch::Tensor& logits, Draws& draws,
+                                                                     bool invariant) {
+  const auto& params = draws.params;
+  const int64_t R = static_cast<int64_t>(params.size());
+  std::vector<int32_t> ids(R);
+  std::vector<float> logprobs(R);
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const SamplingParams& p = *params[r];
+      const bool sampled = p.temperature > 0;
+      // Greedy rows report log-probs at temperature 1: the distribution whose mode they take.
+      const float temperature = sampled ? p.temperature : 1.0f;
+      auto x = torch::empty({logits.size(1)}, torch::kFloat32).copy_(logits[r]);  // (V), logits stay as they are
+      // Batch-invariant: the log-softmax the trainer's recomputation runs (kernels/).
+      auto logp = invariant ? kernels::bi_log_softmax(x.unsqueeze(0), torch::full({1}, temperature)).squeeze(0)
+                            : x.div_(temperature).log_softmax(0);
+      // Gumbel-max: argmax(log p + g), g = -log(-log(u)), draws exactly from p; u comes from
+      // the sequence's own generator, so the draw does not depend on the batch or the thread.
+      torch::Tensor scores = logp;
+      if (sampled) {
+        auto u = torch::empty_like(logp).uniform_(0.0, 1.0, *draws.generators[r]);
+        scores = at::sub_out(u, logp, u.log_().neg_().log_());
+      }
+      if (sampled && (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0))
+        scores.masked_fill_(truncate_rows(logp.exp().unsqueeze(0), {&p}).squeeze(0) == 0,
+                            -std::numeric_limits<float>::infinity());
+      const int64_t id = scores.argmax().item<int64_t>();
+      ids[r] = static_cast<int32_t>(id);
+      logprobs[r] = logp[id].item<float>();
+    }
+  });
+  return {std::move(ids), std::move(logprobs)};
+}
+
+// An accelerator's sampler: the same for the whole batch at once, in a fixed number of ops.
 // Everything runs on the logits' device; only the R ids and log-probs come back to the host.
-std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Tensor& logits, Draws& draws,
-                                                                 bool invariant) {
+std::pair<std::vector<int32_t>, std::vector<float>> sample_rows_batched(const torch::Tensor& logits, Draws& draws) {
   const auto& params = draws.params;
   const int64_t R = static_cast<int64_t>(params.size());
   auto l = logits.to(torch::kFloat32);  // (R, V)
@@ -245,30 +283,13 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Ten
   }
   // non_blocking: a small pageable copy is staged at once, without waiting for the forward pass.
   auto temperatures = torch::tensor(temperature).to(device, /*non_blocking=*/true).unsqueeze(1);  // (R, 1)
-  // Batch-invariant: the log-softmax the trainer's recomputation runs, row by row (kernels/).
-  auto logp = invariant && device.is_cpu() ? kernels::bi_log_softmax(l, temperatures.squeeze(1))
-                                          : (l / temperatures).log_softmax(-1);  // (R, V)
-  // Gumbel-max: argmax(log p + g), g = -log(-log(u)), draws exactly from p. Each row's noise
-  // depends on its sequence alone, so samples do not depend on the batch around them; the
-  // truncation runs on the whole batch in a fixed number of ops. A greedy row may go through
-  // the truncation too: it always keeps the row's most likely token, the one greedy picks.
+  auto logp = (l / temperatures).log_softmax(-1);                                                  // (R, V)
+  // Gumbel-max as on the CPU, but each op is a kernel launch: the noise of every row comes from
+  // one hash of (seed, token index) over the whole batch, and lands on the sampled rows only;
+  // the truncation runs on the whole batch in a fixed number of ops.
   auto scores = logp.clone();
   if (any_cut) scores.masked_fill_(truncate_rows(logp.exp(), params) == 0, -std::numeric_limits<float>::infinity());
-  if (any_sampled && device.is_cpu()) {
-    // The noise is most of the sampling time (a uniform, two logs per vocabulary entry): rows
-    // are spread over the intra-op threads, each drawing from its own generator, so the
-    // draws are the same whichever thread makes them.
-    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        if (!sampled[r]) continue;
-        auto row = scores[r];
-        auto u = torch::empty_like(row).uniform_(0.0, 1.0, *draws.generators[r]);
-        row.sub_(u.log().neg().log());
-      }
-    });
-  } else if (any_sampled) {
-    // On an accelerator each op is a kernel launch: the noise of every row comes from one
-    // hash of (seed, token index) over the whole batch, and lands on the sampled rows only.
+  if (any_sampled) {
     auto noise = hashed_gumbel(draws.seeds, draws.counters, scores.size(1), device);
     auto sampled_rows = torch::tensor(torch::ArrayRef<uint8_t>(sampled)).to(torch::kBool).to(device, /*non_blocking=*/true);
     scores = torch::where(sampled_rows.unsqueeze(1), scores + noise, scores);
@@ -278,6 +299,12 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Ten
   auto ids_i32 = ids_t.to(torch::kInt32).cpu().contiguous();
   return {std::vector<int32_t>(ids_i32.data_ptr<int32_t>(), ids_i32.data_ptr<int32_t>() + R),
           std::vector<float>(picked.data_ptr<float>(), picked.data_ptr<float>() + R)};
+}
+
+// logits [R, V] of the rows to sample -> (ids [R], log-probs [R]).
+std::pair<std::vector<int32_t>, std::vector<float>> sample_rows(const torch::Tensor& logits, Draws& draws,
+                                                                 bool invariant) {
+  return logits.device().is_cpu() ? sample_rows_cpu(logits, draws, invariant) : sample_rows_batched(logits, draws);
 }
 
 }  // namespace
