@@ -224,6 +224,9 @@ void add_draw(Draws& draws, Sequence& seq) {
   draws.counters.push_back(static_cast<int64_t>(seq.ids.size()));
 }
 
+// Whether a row's draw is cut to its top-k / top-p / min-p tokens (greedy rows never are).
+bool truncates(const SamplingParams& p) { return p.temperature > 0 && (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0); }
+
 // The CPU's sampler: each row on its own, spread over the intra-op threads, from its bf16 or
 // float32 logits to its id and log-prob, in buffers of one row that stay in cache. No [R, V]
 // tensor is made: at 128 rows x 49152 tokens each one is 25 MB of fresh pages per step, and
@@ -252,7 +255,7 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows_cpu(const torch:
         auto u = torch::empty_like(logp).uniform_(0.0, 1.0, *draws.generators[r]);
         scores = at::sub_out(u, logp, u.log_().neg_().log_());
       }
-      if (sampled && (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0))
+      if (truncates(p))
         scores.masked_fill_(truncate_rows(logp.exp().unsqueeze(0), {&p}).squeeze(0) == 0,
                             -std::numeric_limits<float>::infinity());
       const int64_t id = scores.argmax().item<int64_t>();
@@ -279,7 +282,7 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows_batched(const to
     temperature[r] = p.temperature > 0 ? p.temperature : 1.0f;
     sampled[r] = p.temperature > 0;
     any_sampled |= p.temperature > 0;
-    any_cut |= p.temperature > 0 && (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0);
+    any_cut |= truncates(p);
   }
   // non_blocking: a small pageable copy is staged at once, without waiting for the forward pass.
   auto temperatures = torch::tensor(temperature).to(device, /*non_blocking=*/true).unsqueeze(1);  // (R, 1)
