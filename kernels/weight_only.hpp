@@ -2,9 +2,14 @@
 // 8 or 4 bits with float scales. With bfloat16 activations the GEMMs are ATen's own packed CPU
 // kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu, as gpt-fast uses them), which read
 // a quarter or an eighth of float32's bytes. Those kernels are scalar for float32 activations (7x
-// slower than MKL here), so there the weight is kept dequantized in float32 and MKL multiplies:
-// the same quantized policy, at float32's speed. No autograd: the copy is made from float weights
-// (the trainer's, at every sync) and only read.
+// slower than MKL here), so for float32 two copies are kept: the weight dequantized in float32,
+// which MKL multiplies when x has many rows (prefill, batched decoding: compute-bound), and the
+// codes themselves, which a few-row kernel of ours multiplies (decoding one or a few sequences:
+// bound by the bytes read, an eighth or a quarter of float32's). It is an AVX2 + FMA loop, chosen
+// at run time, and a plain loop elsewhere; ATen has no int4 kernel for float32 activations that
+// is not scalar, and its bfloat16 one runs at a fifth of the memory bandwidth on AVX2. Both copies
+// hold the same quantized policy. No autograd: the copies are made from float weights (the
+// trainer's, at every sync) and only read.
 #pragma once
 
 #include <cstdint>
@@ -26,11 +31,21 @@ struct QuantizedWeight {
   // N' = N rounded up to 16. Scales: int8 [N]; int4 [K / group, N', 2] (scale, zero), bfloat16.
   torch::Tensor packed, scales;
   torch::Tensor dequantized;  // float32 activations: [N, K] float32, the weight the rounding gives
+  // float32 activations, the few-row kernel's codes: int8: [N, K] int8 with `code_scale` [N];
+  // int4: [N, K / 2] uint8, each group's 32 codes in 16 bytes (byte j: code j in the low nibble,
+  // code j + 16 in the high one), `code_scale` and `code_low` [N, K / group]: a weight is
+  // code * scale + low, low being the rule's zero - 8 * scale. All float32.
+  torch::Tensor codes, code_scale, code_low;
   int64_t out_features = 0, in_features = 0;
 
   bool defined() const { return packed.defined() || dequantized.defined(); }
-  int64_t bytes() const;  // what one GEMM reads of the weight: packed plus scales
+  // What one GEMM over `rows` rows of x reads of the weight: the codes (or packed) and scales, or
+  // for many rows of float32 the dequantized weight.
+  int64_t bytes(int64_t rows = 1) const;
 };
+
+// float32 activations with at most this many rows go through the few-row kernel.
+inline constexpr int64_t kFewRows = 4;
 
 // Whether `bits` can hold a [N, K] weight here; the reason when not (a 4-bit K that is not a
 // multiple of the group, a device without the kernel).
@@ -42,7 +57,14 @@ bool quantized_weight_fits(int64_t bits, int64_t out_features, int64_t in_featur
 QuantizedWeight quantize_weight(const torch::Tensor& weight, int64_t bits, torch::ScalarType activations);
 
 // x [..., K] -> x W^T + bias [..., N] through the format's kernel.
-torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedWeight& weight, const torch::Tensor& bias);
+// float32: at most kFewRows rows through the few-row kernel, more through MKL; `few_rows` picks
+// the kernel whatever the number of rows (the tests compare the two).
+enum class FewRows { automatic, always, never };
+torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedWeight& weight, const torch::Tensor& bias,
+                               FewRows few_rows = FewRows::automatic);
+
+// Whether the few-row kernel runs its AVX2 + FMA loop on this CPU (else the plain loop).
+bool few_rows_vectorized();
 
 // The reference: weight [N, K] -> the float weight the format's kernel multiplies by, computed with
 // plain ATen ops from the same rounding rule (q = round(w / scale) ...), nothing packed.

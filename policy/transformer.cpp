@@ -248,7 +248,7 @@ torch::Tensor GemmWeights::apply(const torch::Tensor& x, const std::vector<torch
   TORCH_CHECK(!invariant, "batch-invariant kernels take float weights, not ", to_string(format));
   refresh(weights, biases, x.scalar_type());
   torch::Tensor y = kernels::quantized_linear(x, quantized_, bias_);
-  bytes_ = quantized_.bytes() + size(bias_);
+  bytes_ = quantized_.bytes(x.numel() / x.size(-1)) + size(bias_);
   if (!keep) {  // nothing stale held
     bias_ = torch::Tensor();
     quantized_ = {};
