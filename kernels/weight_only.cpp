@@ -238,6 +238,8 @@ __attribute__((target("avx2,fma"))) void few_rows_avx2(const FewRowsArgs& a, int
           const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8), x2 = _mm256_loadu_ps(xg + 16),
                        x3 = _mm256_loadu_ps(xg + 24), xs = _mm256_loadu_ps(xsum + g * 8);
           const uint8_t* qg = q + g * 16;
+          // The codes of the block of rows two ahead, a line per group: all of it by the last group.
+          _mm_prefetch(reinterpret_cast<const char*>(q + 2 * kRowBlock * row + g * 64), _MM_HINT_T0);
           acc0 = _mm256_fmadd_ps(group_dot(qg, x0, x1, x2, x3), _mm256_broadcast_ss(scale + g), acc0);
           acc1 = _mm256_fmadd_ps(group_dot(qg + row, x0, x1, x2, x3), _mm256_broadcast_ss(scale + G + g), acc1);
           acc2 = _mm256_fmadd_ps(group_dot(qg + 2 * row, x0, x1, x2, x3), _mm256_broadcast_ss(scale + 2 * G + g), acc2);
