@@ -16,6 +16,7 @@
 #include "generator/generate.hpp"
 #include "kernels/cpu_features.hpp"
 #include "kernels/packed_linear.hpp"
+#include "kernels/weight_only.hpp"
 #include "policy/checkpoint.hpp"
 
 namespace {
@@ -95,6 +96,8 @@ int main(int argc, char** argv) {
                            {"quantize_s", quantize_s},
                            {"copy_bytes_per_s", copy_bandwidth()},
                            {"cpu_bf16", troupe::cpu_bf16().reason},
+                           // int8/int4 over float32 activations, one row: the few-row kernel's loop
+                           {"few_rows", troupe::kernels::few_rows_vectorized() ? "AVX2 + FMA loop" : "plain loop"},
                            {"packed_bf16", *weights == troupe::WeightFormat::full &&
                                                troupe::kernels::packed_linear_pays(m.model->lm_head_weight(), dtype)},
                            {"ids", out.ids}};

@@ -6,7 +6,9 @@ to exactly max-tokens new tokens (EOS ignored), on the same number of threads. T
 decode steps only (the prefill is reported apart); prints tokens/s for each and the ratio.
 Weights: llama.cpp computes with the Q4_1 blocks as stored; troupe dequantizes them to float32
 (or bfloat16) at load, then decodes with those (--weights full) or with a weight-only int8 or
-int4 copy (generator.weights; int4 is Q4_1's layout, 32 weights per scale and zero point).
+int4 copy (generator.weights; int4 is Q4_1's layout, 32 weights per scale and zero point):
+over float32 activations its codes go through troupe's few-row kernel, over bfloat16 through
+ATen's packed kernels.
 Decode at this size is bound by memory bandwidth, so both sides' results are also given as a
 fraction of the limit: weight bytes read per token against a plain copy's bytes/s measured in
 the same run (troupe counts its GEMM weights; llama.cpp's are taken as the GGUF's tensor bytes).
@@ -81,6 +83,10 @@ def main():
     print(f"greedy decode, 1 sequence, {len(prompt)} prompt tokens + {args.max_tokens} new tokens, {threads} threads; "
           f"weights: llama.cpp computes with Q4_1, troupe with {args.weights} weights over {args.dtype} activations")
     print(f"CPU: bfloat16 {ours['cpu_bf16']}; memory bandwidth (plain copy, read + write): {bandwidth / 1e9:.1f} GB/s")
+    if args.weights != "full" and args.dtype == "float32":
+        print(f"troupe's {args.weights} GEMMs of one row: troupe's own kernel over the codes ({ours['few_rows']})")
+    elif args.weights != "full":
+        print(f"troupe's {args.weights} GEMMs: ATen's packed kernel over {args.dtype} activations")
     if args.weights != "full":
         print(f"troupe's requantization at a weight sync (every GEMM's kept copy): {ours['quantize_s']:.3f} s")
     elif ours["packed_bf16"]:
