@@ -3,6 +3,7 @@
 #include "kernels/weight_only.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 
@@ -258,10 +259,12 @@ __attribute__((target("avx2,fma"))) void few_rows_avx2(const FewRowsArgs& a, int
 }
 #endif
 
+std::atomic<bool> plain_forced{false};
+
 bool avx2_fma() {
 #if defined(__x86_64__)
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+  return yes && !plain_forced.load(std::memory_order_relaxed);
 #else
   return false;
 #endif
@@ -301,6 +304,7 @@ int64_t QuantizedWeight::bytes(int64_t rows) const {
 }
 
 bool few_rows_vectorized() { return avx2_fma(); }
+void force_few_rows_plain(bool on) { plain_forced.store(on, std::memory_order_relaxed); }
 
 bool quantized_weight_fits(int64_t bits, int64_t out_features, int64_t in_features, torch::Device device,
                            std::string* why) {

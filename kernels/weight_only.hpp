@@ -64,7 +64,9 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedWeight& we
                                FewRows few_rows = FewRows::automatic);
 
 // Whether the few-row kernel runs its AVX2 + FMA loop on this CPU (else the plain loop).
+// force_few_rows_plain(true): the plain loop whatever the CPU (tests run both loops).
 bool few_rows_vectorized();
+void force_few_rows_plain(bool on);
 
 // The reference: weight [N, K] -> the float weight the format's kernel multiplies by, computed with
 // plain ATen ops from the same rounding rule (q = round(w / scale) ...), nothing packed.

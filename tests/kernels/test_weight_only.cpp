@@ -63,40 +63,49 @@ TEST_CASE("int8 and int4 GEMMs equal x times the weight rounded by their rule") 
 TEST_CASE("float32's few-row kernel reads the codes and equals x times the weight rounded by the rule") {
   // Decoding one or a few sequences multiplies the int8 or int4 codes themselves (an eighth of
   // float32's bytes for int4); many rows go through MKL over the dequantized copy. Both hold the
-  // same policy: each against float64 over the rounded weight, on both thread counts, the vector
-  // loop where this CPU has AVX2 + FMA, and its plain loop for the rows past the last four.
+  // same policy: each against float64 over the rounded weight, on both thread counts, through the
+  // vector loop where this CPU has AVX2 + FMA and through the plain loop (what other CPUs run).
   MESSAGE("few-row kernel: " << (few_rows_vectorized() ? "AVX2 + FMA" : "plain loop"));
-  torch::manual_seed(3);
   const int threads = torch::get_num_threads();
-  for (auto [N, K] : {std::pair<int64_t, int64_t>{96, 64}, {1538, 576}, {33, 32}, {7, 96}, {576, 1536}})
-    for (int64_t bits : {8, 4})
-      for (int64_t M : {1, 2, 4, 5})
-        for (int n : {1, 2}) {
-          CAPTURE(N);
-          CAPTURE(K);
-          CAPTURE(bits);
-          CAPTURE(M);
-          CAPTURE(n);
-          torch::set_num_threads(n);
-          auto w = torch::randn({N, K}) * 0.05;
-          auto x = torch::randn({M, K});
-          auto bias = torch::randn({N});
-          auto q = quantize_weight(w, bits, torch::kFloat32);
-          REQUIRE(q.codes.defined());
-          auto ref = torch::matmul(x.to(torch::kFloat64), fake_quantize_reference(w, bits).to(torch::kFloat64).t()) +
-                     bias.to(torch::kFloat64);
-          auto few = quantized_linear(x, q, bias, FewRows::always);
-          auto mkl = quantized_linear(x, q, bias, FewRows::never);
-          REQUIRE((few.sizes() == ref.sizes()));
-          CHECK(max_rel_diff(few, ref) < 1e-5);
-          CHECK(max_rel_diff(mkl, ref) < 1e-5);
-          // The automatic choice: the codes up to kFewRows rows, else MKL; and the bytes each reads.
-          CHECK(torch::equal(quantized_linear(x, q, bias), M <= kFewRows ? few : mkl));
-          const int64_t code_bytes = N * K * bits / 8 + N * (bits == 4 ? 2 * K / kInt4Group : 1) * 4;
-          CHECK(q.bytes(M) == (M <= kFewRows ? code_bytes : N * K * 4));
-          // Each output row's sum is one fixed order: a row alone gives the bits it gets among others.
-          CHECK(torch::equal(quantized_linear(x.narrow(0, M - 1, 1), q, bias, FewRows::always), few.narrow(0, M - 1, 1)));
-        }
+  for (bool plain : {false, true}) {
+    CAPTURE(plain);
+    force_few_rows_plain(plain);
+    torch::manual_seed(3);
+    // (N, K): row counts that are and are not a multiple of four; K = 36 (int8 only) leaves 4 inputs
+    // past the last 8 for the scalar tail.
+    for (auto [N, K] : {std::pair<int64_t, int64_t>{96, 64}, {1538, 576}, {33, 32}, {7, 96}, {576, 1536}, {10, 36}})
+      for (int64_t bits : {8, 4})
+        for (int64_t M : {1, 2, 4, 5})
+          for (int n : {1, 2}) {
+            if (K % kInt4Group != 0 && bits == 4) continue;
+            CAPTURE(N);
+            CAPTURE(K);
+            CAPTURE(bits);
+            CAPTURE(M);
+            CAPTURE(n);
+            torch::set_num_threads(n);
+            auto w = torch::randn({N, K}) * 0.05;
+            auto x = torch::randn({M, K});
+            auto bias = torch::randn({N});
+            auto q = quantize_weight(w, bits, torch::kFloat32);
+            REQUIRE(q.codes.defined());
+            auto ref = torch::matmul(x.to(torch::kFloat64), fake_quantize_reference(w, bits).to(torch::kFloat64).t()) +
+                       bias.to(torch::kFloat64);
+            auto few = quantized_linear(x, q, bias, FewRows::always);
+            auto mkl = quantized_linear(x, q, bias, FewRows::never);
+            REQUIRE((few.sizes() == ref.sizes()));
+            CHECK(max_rel_diff(few, ref) < 1e-5);
+            CHECK(max_rel_diff(mkl, ref) < 1e-5);
+            // The automatic choice: the codes up to kFewRows rows, else MKL; and the bytes each reads.
+            CHECK(torch::equal(quantized_linear(x, q, bias), M <= kFewRows ? few : mkl));
+            const int64_t code_bytes = N * K * bits / 8 + N * (bits == 4 ? 2 * K / kInt4Group : 1) * 4;
+            CHECK(q.bytes(M) == (M <= kFewRows ? code_bytes : N * K * 4));
+            // Each output row's sum is one fixed order: a row alone gives the bits it gets among others.
+            auto alone = quantized_linear(x.narrow(0, M - 1, 1), q, bias, FewRows::always);
+            CHECK(torch::equal(alone, few.narrow(0, M - 1, 1)));
+          }
+  }
+  force_few_rows_plain(false);
   torch::set_num_threads(threads);
 }
 
