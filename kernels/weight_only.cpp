@@ -367,22 +367,20 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedWeight& we
   const int64_t M = x.numel() / weight.in_features;
   const bool few = weight.codes.defined() && (few_rows_kernel == FewRows::always ||
                                               (few_rows_kernel == FewRows::automatic && M <= kFewRows));
-  if (few) {
-    auto y = few_rows(x.reshape({M, weight.in_features}), weight);
-    if (bias.defined()) y.add_(bias.to(torch::kFloat32));
-    auto shape = x.sizes().vec();
-    shape.back() = weight.out_features;
-    return y.reshape(shape).to(x.scalar_type());
-  }
-  if (weight.dequantized.defined())
+  if (!few && weight.dequantized.defined())
     return torch::nn::functional::linear(x.to(torch::kFloat32), weight.dequantized,
                                          bias.defined() ? bias.to(torch::kFloat32) : bias).to(x.scalar_type());
-  auto rows = x.reshape({-1, weight.in_features}).to(weight.scales.scalar_type()).contiguous();  // (M, K)
-  torch::Tensor y;                                                                                 // (M, N)
-  if (weight.bits == 8)
-    y = at::_weight_int8pack_mm(rows, weight.packed, weight.scales);
-  else
-    y = at::_weight_int4pack_mm_for_cpu(rows, weight.packed, kInt4Group, weight.scales).narrow(1, 0, weight.out_features);
+  torch::Tensor y;  // (M, N)
+  if (few) {
+    y = few_rows(x.reshape({M, weight.in_features}), weight);
+  } else {
+    auto rows = x.reshape({M, weight.in_features}).to(weight.scales.scalar_type()).contiguous();  // (M, K)
+    if (weight.bits == 8)
+      y = at::_weight_int8pack_mm(rows, weight.packed, weight.scales);
+    else
+      y = at::_weight_int4pack_mm_for_cpu(rows, weight.packed, kInt4Group, weight.scales)
+              .narrow(1, 0, weight.out_features);
+  }
   if (bias.defined()) y = y + bias.to(y.scalar_type());
   auto shape = x.sizes().vec();
   shape.back() = weight.out_features;
