@@ -2,6 +2,7 @@
 // how a field behaves lives in the component that uses it (Engine, Trainer, rewards, prompts).
 #include "actors/run.hpp"
 
+#include "actors/actor_util.hpp"
 #include "actors/recipe_run.hpp"
 #include "actors/run_status.hpp"
 #include "actors/trainer_ranks.hpp"
@@ -45,6 +46,7 @@ PromptSourceOptions prompt_options(const DatasetSection& d, const Tokenizer& tok
 // the chat template when the training data uses it, completions closed with end-of-sequence.
 std::map<std::string, torch::Tensor> sft_warmup(const RunConfig& c, const Tokenizer& tokenizer) {
   const auto& w = *c.trainer.sft_warmup;
+  use_threads(c.trainer.threads);  // the trainer's kernels run here, on this thread, before its actor starts
   auto m = load_model(c.model.path, {.dtype = dtype_of(c.model.dtype), .device = torch::Device(c.model.device), .tokenizer = false});
   // The model's own end-of-sequence id: a tokenizer's can lie outside a small model's vocabulary.
   std::vector<int64_t> eos_ids = m.config.eos_token_ids;
