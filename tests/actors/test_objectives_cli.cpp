@@ -40,16 +40,19 @@ TEST_CASE("gspo, cispo, rloo and reinforce_pp each learn the tiny arithmetic tas
   struct Case {
     const char* name;
     const char* args;
+    int64_t steps;  // the cosine schedule's length too
   };
   // Two optimizer passes over each batch, so that the second one has ratios away from 1 for
-  // the objectives to clip (one pass is exactly on-policy at the proximal weights).
-  const int64_t steps = 200;
+  // the objectives to clip (one pass is exactly on-policy at the proximal weights). Measured
+  // last-10 rewards: gspo 0.84, cispo 0.84, rloo 0.84 at 100 steps; reinforce_pp, which climbs
+  // slowest, 0.76 at 100 and 0.84 at 150.
   const std::string common = "trainer.num_iterations=2 ";
-  for (const auto& c : {Case{"gspo", "trainer.loss.objective=gspo trainer.loss.aggregation=grpo"},
-                        Case{"cispo", "trainer.loss.objective=cispo"},
-                        Case{"rloo", "trainer.advantage=rloo"},
-                        Case{"reinforce_pp", "trainer.advantage=reinforce_pp"}}) {
+  for (const auto& c : {Case{"gspo", "trainer.loss.objective=gspo trainer.loss.aggregation=grpo", 100},
+                        Case{"cispo", "trainer.loss.objective=cispo", 100},
+                        Case{"rloo", "trainer.advantage=rloo", 100},
+                        Case{"reinforce_pp", "trainer.advantage=reinforce_pp", 150}}) {
     CAPTURE(c.name);
+    const int64_t steps = c.steps;
     auto m = learn(std::string("learn_") + c.name, common + c.args, steps);
     const double first = mean_reward(m, 0, 5), last = mean_reward(m, steps - 10, 10);
     MESSAGE(std::string(c.name) << " (" << std::string(c.args) << "): reward/mean first 5 steps " << first << ", last 10 " << last);
@@ -75,23 +78,24 @@ size_t steps_to(const std::vector<nlohmann::json>& m, double threshold) {
 }  // namespace
 
 TEST_CASE("distillation: a student taught by a GRPO-trained teacher reaches 0.9x its reward in fewer steps than GRPO") {
-  // The teacher: the tiny model after 200 GRPO steps (the config as shipped).
-  auto teacher = learn("distill_teacher", "", 200);
-  const double teacher_reward = mean_reward(teacher, 190, 10);
-  const auto teacher_path = fixtures() / "distill_teacher" / "checkpoints" / "step_200";
-  // GRPO and distillation from the same start (the sft warm-up), with the same settings.
+  // GRPO from the sft warm-up for 100 steps: its last checkpoint is the teacher, and its own
+  // curve the steps GRPO took. The student starts where GRPO started, with the same settings.
+  const int64_t steps = 100;
   const std::string common = "trainer.num_iterations=2 ";
-  auto grpo = learn("distill_grpo", common, 200);
-  auto student = learn("distill_student", common + "recipe=distill teacher.path=" + shell_quote(teacher_path.string()), 200);
+  auto grpo = learn("distill_grpo", common, steps);
+  const double teacher_reward = mean_reward(grpo, steps - 10, 10);
+  const auto teacher_path = fixtures() / "distill_grpo" / "checkpoints" / ("step_" + std::to_string(steps));
+  auto student = learn("distill_student", common + "recipe=distill teacher.path=" + shell_quote(teacher_path.string()), steps);
   const size_t grpo_steps = steps_to(grpo, 0.9 * teacher_reward), distill_steps = steps_to(student, 0.9 * teacher_reward);
-  MESSAGE("teacher reward " << teacher_reward << "; steps to 0.9x it (10-step mean): grpo " << grpo_steps << ", distill "
-                            << distill_steps << "; student's last 10 " << mean_reward(student, 190, 10)
-                            << ", reverse KL to the teacher step 1 " << student.front()["distill/reverse_kl"].get<double>()
-                            << ", step 200 " << student.back()["distill/reverse_kl"].get<double>());
+  MESSAGE("teacher (GRPO's last 10 steps) reward " << teacher_reward << "; steps to 0.9x it (10-step mean): grpo " << grpo_steps
+                                                   << ", distill " << distill_steps << "; student's last 10 "
+                                                   << mean_reward(student, steps - 10, 10) << ", reverse KL to the teacher step 1 "
+                                                   << student.front()["distill/reverse_kl"].get<double>() << ", step " << steps << " "
+                                                   << student.back()["distill/reverse_kl"].get<double>());
   CHECK(mean_reward(student, 0, 5) < 0.3);
   REQUIRE(distill_steps > 0);
-  CHECK((grpo_steps == 0 || distill_steps < grpo_steps));
-  CHECK(mean_reward(student, 190, 10) >= 0.9 * teacher_reward);
+  CHECK(distill_steps < grpo_steps);  // grpo_steps > 0: GRPO's last 10 steps are its teacher's reward
+  CHECK(mean_reward(student, steps - 10, 10) >= 0.9 * teacher_reward);
   CHECK(student.back()["distill/reverse_kl"].get<double>() < student.front()["distill/reverse_kl"].get<double>());
 }
 
@@ -129,13 +133,14 @@ TEST_CASE("mismatch/kl: float rounding with float32 engines, and reported when t
   CHECK(least_bf16 > 1e-7);   // bfloat16 rounding of weights and activations
 }
 
-// int4 engines learn it the same way (0.098 -> 0.946 when measured, mismatch/kl 2.6e-3); one run
-// less in make test.
+// int4 engines learn it the same way (0.098 -> 0.946 in 200 steps of one pass when measured,
+// mismatch/kl 2.6e-3); one run less in make test. Two optimizer passes a batch, as above, learn
+// it in 100 steps (int8: 0.10 -> 0.92 when measured).
 TEST_CASE("generator.weights int8: quantized engines under a float32 trainer learn the task, mismatch/kl reported") {
-  const int64_t steps = 200;
+  const int64_t steps = 100;
   for (const char* format : {"int8"}) {
     CAPTURE(format);
-    auto m = learn(std::string("learn_") + format, std::string("generator.weights=") + format, steps);
+    auto m = learn(std::string("learn_") + format, std::string("trainer.num_iterations=2 generator.weights=") + format, steps);
     const double first = mean_reward(m, 0, 5), last = mean_reward(m, steps - 10, 10);
     double least_kl = 1e9, most_kl = 0, requantize_s = 0;
     int64_t requantized = 0;  // steps whose report saw a sync that requantized

@@ -23,16 +23,16 @@ using Run = troupe::test::CommandResult;
 
 Run shell(const std::string& cmd) { return run_command(cmd + " 2>&1"); }
 
-// `troupe run configs/CONFIG.yaml` on the arithmetic fixture (its sft warm-up included) into
-// fixtures/RUN_NAME; the lines of its metrics.jsonl.
-std::vector<nlohmann::json> run_arithmetic(const std::string& config, const std::string& run_name) {
+// `troupe run configs/CONFIG.yaml ARGS` on the arithmetic fixture (its sft warm-up included)
+// into fixtures/RUN_NAME; the lines of its metrics.jsonl.
+std::vector<nlohmann::json> run_arithmetic(const std::string& config, const std::string& run_name, const std::string& args = "") {
   auto task = fixtures() / "arithmetic";
   auto dir = fixtures() / run_name;
   fs::remove_all(dir);
   std::string cmd = "cd '" + source().string() + "' && '" + env_dir("TROUPE_BIN").string() + "' run configs/" + config +
                     ".yaml model.path='" + (task / "model").string() + "' data.train.path='" +
                     (task / "train.jsonl").string() + "' trainer.sft_warmup.path='" + (task / "format.jsonl").string() +
-                    "' run.dir='" + dir.string() + "'";
+                    "' run.dir='" + dir.string() + "' " + args;
   auto r = shell(cmd);
   REQUIRE_MESSAGE(r.status == 0, r.out);
   std::ifstream in(dir / "metrics.jsonl");
@@ -154,10 +154,12 @@ TEST_CASE("troupe run with engine: remote generates through troupe serve and syn
   CHECK(server.terminate() == 0);
 }
 
+// 100 of the config's 200 steps: PPO's four epochs a batch learn it by then (0.92 over the last
+// 10 when measured).
 TEST_CASE("troupe run trains the tiny arithmetic config with PPO (value head, GAE) through the async graph") {
-  auto steps = run_arithmetic("tiny_arithmetic_ppo", "run_tiny_arithmetic_ppo");
+  auto steps = run_arithmetic("tiny_arithmetic_ppo", "run_tiny_arithmetic_ppo", "trainer.steps=100");
   auto dir = fixtures() / "run_tiny_arithmetic_ppo";
-  REQUIRE(steps.size() == 200);
+  REQUIRE(steps.size() == 100);
   auto mean = [&](size_t from, size_t n) {
     double s = 0;
     for (size_t i = from; i < from + n; ++i) s += steps[i]["reward/mean"].get<double>();
@@ -169,13 +171,13 @@ TEST_CASE("troupe run trains the tiny arithmetic config with PPO (value head, GA
     CHECK(j.contains("value_loss"));
     CHECK(j.contains("explained_variance"));
   }
-  MESSAGE("ppo via troupe run (eta 1): reward/mean first 5 steps " << mean(0, 5) << ", last 10 " << mean(190, 10)
+  MESSAGE("ppo via troupe run (eta 1): reward/mean first 5 steps " << mean(0, 5) << ", last 10 " << mean(90, 10)
                                                                    << "; staleness max " << worst);
   CHECK(mean(0, 5) < 0.3);
-  CHECK(mean(190, 10) > 0.7);
+  CHECK(mean(90, 10) > 0.7);
   CHECK(worst <= 1);
-  CHECK(steps.back()["policy_version"] == 200);  // versions count steps, not the 4 epochs of each
-  CHECK(fs::exists(dir / "checkpoints" / "step_200" / "value_head.safetensors"));
+  CHECK(steps.back()["policy_version"] == 100);  // versions count steps, not the 4 epochs of each
+  CHECK(fs::exists(dir / "checkpoints" / "step_100" / "value_head.safetensors"));
 }
 
 TEST_CASE("troupe run trains the tiny arithmetic config with online DPO: best and worst of each group form a pair") {
