@@ -356,7 +356,9 @@ void spawn_graph(Self self) {
       RemoteGeneratorSpec r{spec.remote_url, spec.remote, spec.tokenizer, spec.sampling, spec.weights_dir.string()};
       g = spawn_remote_generator(system, std::move(r), st.sink, self, i);
     } else {
-      g = spawn_generator(system, generator_spec(spec), st.sink, self, i);
+      // In this process: the tokenizer the graph loaded already is the one tokenizer_path names.
+      g = spawn_generator(system, generator_spec(spec), st.sink, self, i,
+                          spec.tokenizer_path.empty() ? std::nullopt : spec.tokenizer);
     }
     add_generator(self, st.pool.reserve(), g, /*pid=*/0);
   }

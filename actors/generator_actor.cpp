@@ -204,15 +204,14 @@ void step(Self self) {
 }
 
 generator_actor::behavior_type generator(Self self, GeneratorSpec spec, rollout_sink next, controller_actor controller,
-                                         int64_t index) {
+                                         int64_t index, std::optional<Tokenizer> tokenizer) {
   name_failures(self, "generator " + std::to_string(index));
   use_threads(spec.threads);
   auto& st = self->state;
   const torch::Device device(spec.device);
   auto model = load_model(spec.model, {.dtype = choose_dtype(spec.dtype, device, "generator dtype").dtype,
                                        .device = device, .tokenizer = false});
-  std::optional<Tokenizer> tokenizer;
-  if (!spec.tokenizer.empty()) tokenizer = Tokenizer::load(spec.tokenizer);
+  if (!tokenizer && !spec.tokenizer.empty()) tokenizer = Tokenizer::load(spec.tokenizer);
   st.engine = std::make_unique<Engine>(model.model, std::move(tokenizer), spec.engine);
   st.spec = std::move(spec);
   st.next = std::move(next);
@@ -290,8 +289,9 @@ generator_actor::behavior_type remote_generator(generator_actor::stateful_pointe
 }  // namespace
 
 generator_actor spawn_generator(actor_system& system, GeneratorSpec spec, rollout_sink next, controller_actor controller,
-                                int64_t index) {
-  return system.spawn<detached>(generator, std::move(spec), std::move(next), std::move(controller), index);
+                                int64_t index, std::optional<Tokenizer> tokenizer) {
+  return system.spawn<detached>(generator, std::move(spec), std::move(next), std::move(controller), index,
+                                std::move(tokenizer));
 }
 
 generator_actor spawn_remote_generator(actor_system& system, RemoteGeneratorSpec spec, rollout_sink next,

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -34,9 +35,11 @@ GeneratorSpec generator_spec_from_json(const nlohmann::json& j);  // throws Erro
 
 // Spawns a built-in generator (detached: its engine blocks). It reports each weight version it
 // loads to `controller` and sends finished groups to `next`; an exception ends it with an error
-// naming "generator <index>".
+// naming "generator <index>". `tokenizer`: the one spec.tokenizer names, already loaded by the
+// caller in this process (shared, not parsed again); absent, the generator loads spec.tokenizer.
 generator_actor spawn_generator(caf::actor_system& system, GeneratorSpec spec, rollout_sink next,
-                                controller_actor controller, int64_t index);
+                                controller_actor controller, int64_t index,
+                                std::optional<Tokenizer> tokenizer = std::nullopt);
 
 // A generator driving a vLLM-compatible server: each prompt batch is one blocking generate()
 // (the server batches the requests itself), so weight updates land between batches; they reach
