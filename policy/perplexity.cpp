@@ -1,6 +1,7 @@
 // Perplexity evaluation: token log-probs chunk by chunk (kernels/logprobs), never full logits.
 #include "policy/perplexity.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include <torch/torch.h>
@@ -13,17 +14,25 @@ PerplexityResult perplexity(TransformerImpl& model, const Tokenizer& tokenizer, 
                             int64_t batch_size, int64_t max_length) {
   torch::NoGradGuard no_grad;
   auto device = model.lm_head_weight().device();
+  // Sorted by length: on the first 100 GSM8K questions, batches of 8 in file order are 9400
+  // positions for 5923 tokens; sorted, 6224.
+  std::vector<std::vector<int32_t>> encoded;
+  encoded.reserve(texts.size());
+  for (const auto& text : texts) {
+    auto ids = tokenizer.encode(text);
+    if (static_cast<int64_t>(ids.size()) > max_length) ids.resize(max_length);
+    encoded.push_back(std::move(ids));
+  }
+  std::stable_sort(encoded.begin(), encoded.end(), [](const auto& a, const auto& b) { return a.size() < b.size(); });
   double nll = 0;
   int64_t count = 0;
-  for (size_t first = 0; first < texts.size(); first += batch_size) {
-    size_t last = std::min(texts.size(), first + static_cast<size_t>(batch_size));
+  for (size_t first = 0; first < encoded.size(); first += batch_size) {
+    size_t last = std::min(encoded.size(), first + static_cast<size_t>(batch_size));
     std::vector<std::vector<int32_t>> rows;
     int64_t T = 0;
     for (size_t i = first; i < last; ++i) {
-      auto ids = tokenizer.encode(texts[i]);
-      if (static_cast<int64_t>(ids.size()) > max_length) ids.resize(max_length);
-      T = std::max<int64_t>(T, ids.size());
-      rows.push_back(std::move(ids));
+      T = std::max<int64_t>(T, encoded[i].size());
+      rows.push_back(std::move(encoded[i]));
     }
     if (T < 2) continue;
     const int64_t B = rows.size();

@@ -1,5 +1,6 @@
 // Perplexity of a model over a list of texts: exp of the mean negative log-likelihood of
-// every token after the first of each text, texts batched with right padding.
+// every token after the first of each text, texts batched with right padding, shortest first
+// (texts of like length share a batch, so that little of it is padding).
 #pragma once
 
 #include <cstdint>
