@@ -112,10 +112,10 @@ bool wait_for_log(const Running& r, const std::string& text) {
 }
 
 TEST_CASE("a second Ctrl-C stops a trainer-alone run at once; the first asks for a stop after the step") {
-  // SmolLM2-135M, 8 x 512 tokens a step: a step takes seconds, so "at once" is told apart
-  // from "after the step" (which the first Ctrl-C asks for).
+  // SmolLM2-135M, 4 x 512 tokens a step: a step takes seconds, so "at once" is told apart
+  // from "after the step" (which the first Ctrl-C asks for, and which would checkpoint).
   auto r = start("smollm2_gsm8k_sft",
-                 "model.dtype=float32 data.eval=null trainer.batch_size=8 trainer.max_length=512 trainer.steps=1000",
+                 "model.dtype=float32 data.eval=null trainer.batch_size=4 trainer.max_length=512 trainer.steps=1000",
                  "stop_sigint", 1);
   kill(r.pid, SIGINT);
   REQUIRE_MESSAGE(wait_for_log(r, "Ctrl-C: stopping after this step"), read(r.log));
