@@ -118,12 +118,12 @@ TEST_CASE("reinforce, the smallest recipe, learns the tiny task") {
   CHECK(last > first + 0.3);
 }
 
-TEST_CASE("a generator worker killed with SIGKILL at 5 different steps: every run finishes, nothing lost or doubled") {
+TEST_CASE("a generator worker killed with SIGKILL at 3 different steps: every run finishes, nothing lost or doubled") {
   // Kills in steps 2..12 of 26, so the replacement (a new process loading its model) has time to join.
   const int64_t steps = 26;
   std::mt19937 rng(std::random_device{}());
   std::set<int64_t> kill_steps;
-  while (kill_steps.size() < 5) kill_steps.insert(2 + static_cast<int64_t>(rng() % 11));
+  while (kill_steps.size() < 3) kill_steps.insert(2 + static_cast<int64_t>(rng() % 11));
   for (int64_t kill_at : kill_steps) {
     CAPTURE(kill_at);
     auto dir = fixtures() / ("cluster_kill_" + std::to_string(kill_at));
