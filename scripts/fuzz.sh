@@ -3,8 +3,9 @@
 # their seed corpora from the test fixtures, and runs each harness for a while: first its
 # reproducers in tests/fuzz/regressions/<harness>/, then fuzzing for FUZZ_SECONDS.
 #
-#   scripts/fuzz.sh [--seconds N] [--runs N] [--build-only | --no-build] [HARNESS ...]   (default: every harness)
+#   scripts/fuzz.sh [--seconds N] [--runs N] [--compile-only | --build-only | --no-build] [HARNESS ...]   (default: every harness)
 #
+# --compile-only compiles the harnesses and stops (make build does this); --build-only also makes the seeds.
 # --runs stops a harness after N executions (libFuzzer's -runs), --seconds in any case.
 # `make fuzz` runs it for 600 s a harness; each ctest test fuzz_<harness> for a few seconds. New
 # inputs that add coverage are kept in build/fuzz/corpus/<harness>/, so long runs build on each
@@ -24,15 +25,16 @@ FUZZ_MAX_LEN=${FUZZ_MAX_LEN:-65536}
 FUZZ_TIMEOUT=${FUZZ_TIMEOUT:-10}      # seconds one input may take before it counts as a hang
 FUZZ_RSS_MB=${FUZZ_RSS_MB:-2048}      # memory one harness may use (libFuzzer's -rss_limit_mb)
 
-build=1 run=1
+build=1 run=1 seeds=1
 harnesses=()
 while (($#)); do
   case "$1" in
     --seconds) FUZZ_SECONDS=$2; shift 2 ;;
     --runs) FUZZ_RUNS=$2; shift 2 ;;
+    --compile-only) run=0 seeds=0; shift ;;
     --build-only) run=0; shift ;;
     --no-build) build=0; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     -*) echo "fuzz.sh: unknown option $1" >&2; exit 2 ;;
     *) harnesses+=("$1"); shift ;;
   esac
@@ -53,6 +55,7 @@ if ((build)); then
     echo "fuzz.sh: the harnesses do not build (log: $FUZZ_BUILD/build.log)" >&2
     exit 1
   fi
+  ((seeds)) || exit 0
   [ -d "$FUZZ_FIXTURES" ] || echo "fuzz.sh: no $FUZZ_FIXTURES (run make test once): seeds from configs/ and data/ only" >&2
   rm -rf "$FUZZ_BUILD/seeds"
   python3 tests/fuzz/make_seeds.py "$FUZZ_FIXTURES" "$FUZZ_BUILD/seeds"
