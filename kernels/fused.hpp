@@ -1,5 +1,8 @@
-// Fused CUDA kernels for the transformer's hot elementwise and row-reduction ops, each beside
-// the plain-ATen reference it is tested against. The fused ones run on CUDA tensors only.
+// Fused kernels for the transformer's hot elementwise and row-reduction ops, each beside the
+// plain-ATen reference it is tested against. CUDA kernels for all of them; CPU kernels for the
+// RMSNorm and the rotary embedding (fused_cpu.cpp), where the plain ops' dispatch costs more than
+// their arithmetic in a decode step. swiglu and the token log-probs run on CUDA tensors only: on
+// a CPU, ATen's silu is one vectorized op, which a loop of ours (a scalar exp) would not beat.
 #pragma once
 
 #include <cstdint>
@@ -10,12 +13,13 @@
 namespace troupe::kernels {
 
 // Whether this build compiled kernels/fused_cuda.cu (a CUDA toolkit matching the torch wheel
-// at configure time). When false, every fused entry point below throws "built without CUDA";
-// the _reference functions always work.
+// at configure time). When false, every fused entry point below throws "built without CUDA" for
+// a tensor that is not on the CPU; the _reference functions always work.
 bool fused_cuda_built();
 
-// Common contract of the fused functions: CUDA tensors on one device, contiguous, of one dtype
-// among float32, bfloat16 and float16 (index tensors int64); statistics and products in float32,
+// Common contract of the fused functions: tensors on one device, of one dtype among float32,
+// bfloat16 and float16 (index tensors int64); on CUDA contiguous, on the CPU any strides (the
+// rotary's x read as it is, the rest made contiguous first); statistics and products in float32,
 // rounded to the input dtype where Hugging Face's PyTorch code rounds. No autograd: an input
 // that requires grad while grad mode is on is refused (except by target_logprobs). The
 // _reference functions take any device, any dtype and any strides, with autograd.

@@ -2,6 +2,7 @@
 // log-probs), one thread per element or rotary pair for the rest, float32 accumulation throughout.
 // Deliberately plain: no vector loads, no per-shape tuning, no autograd (fused_reference.cpp has it).
 #include "kernels/fused.hpp"
+#include "kernels/fused_internal.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -19,18 +20,15 @@
 namespace troupe::kernels {
 namespace {
 
+using fused_detail::check_no_grad;
+using fused_detail::is_float_dtype;
+
 constexpr int kWarp = 32;
 constexpr int kMaxThreads = 1024;
 constexpr int kElementwiseThreads = 256;
 constexpr int kLogprobThreads = 512;
 // Elementwise kernels loop over the elements grid-stride, so the grid need not cover them.
 constexpr int64_t kMaxBlocks = 65536;
-
-// The contract's three dtypes (no float64: its statistics would be narrowed to float32).
-#define TROUPE_DISPATCH_FLOATS(TYPE, NAME, ...)                                                             \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                                                            \
-                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
-                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 // ---------------------------------------------------------------------------------------------
 // Reductions. blockDim.x is always a multiple of 32 (the launches make it so): every lane of every
@@ -254,8 +252,6 @@ int row_threads(int64_t H) {
   return static_cast<int>(std::clamp<int64_t>(ceil_div(ceil_div(H, 2), kWarp) * kWarp, kWarp, kMaxThreads));
 }
 
-bool is_float_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
-
 // t lives on `first`'s CUDA device, is contiguous, and (when dtype is given) of that dtype.
 void check_input(const char* op, const char* name, const at::Tensor& t, const at::Tensor& first,
                  std::optional<at::ScalarType> dtype) {
@@ -277,14 +273,6 @@ void check_float_input(const char* op, const char* name, const at::Tensor& t) {
   check_input(op, name, t, t, t.scalar_type());
 }
 
-void check_no_grad(const char* op, std::initializer_list<at::Tensor> tensors, const char* hint) {
-  if (!at::GradMode::is_enabled()) return;
-  for (const auto& t : tensors) {
-    TORCH_CHECK(!(t.defined() && t.requires_grad()), op, ": this kernel has no backward pass, and an input ",
-                "requires grad; run it under torch::NoGradGuard, or use ", hint);
-  }
-}
-
 void check_logprobs_inputs(const char* op, const at::Tensor& logits, const at::Tensor& targets, double temperature) {
   check_float_input(op, "logits", logits);
   check_input(op, "targets", targets, logits, at::kLong);
@@ -300,16 +288,14 @@ void check_logprobs_inputs(const char* op, const at::Tensor& logits, const at::T
 
 bool fused_cuda_built() { return true; }
 
-std::pair<torch::Tensor, torch::Tensor> rms_norm_residual(const torch::Tensor& x, const torch::Tensor& residual,
-                                                          const torch::Tensor& weight, double eps) {
+std::pair<torch::Tensor, torch::Tensor> fused_detail::rms_norm_residual_cuda(const torch::Tensor& x,
+                                                                             const torch::Tensor& residual,
+                                                                             const torch::Tensor& weight, double eps) {
   constexpr const char* op = "rms_norm_residual";
   check_float_input(op, "x", x);
   if (residual.defined()) check_input(op, "residual", residual, x, x.scalar_type());
   check_input(op, "weight", weight, x, x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1) && x.size(-1) > 0, op, ": x ",
-              x.sizes(), " and weight ", weight.sizes(), " must be [..., H] and [H], H > 0");
-  TORCH_CHECK(!residual.defined() || residual.sizes() == x.sizes(), op, ": residual ", residual.sizes(),
-              " must have x's shape ", x.sizes());
+  fused_detail::check_rms_norm_shapes(op, x, residual, weight);
   check_no_grad(op, {x, residual, weight}, "rms_norm_residual_reference");
   const int64_t H = x.size(-1), rows = x.numel() / H;
   TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max(), op, ": ", rows,
@@ -335,15 +321,12 @@ std::pair<torch::Tensor, torch::Tensor> rms_norm_residual(const torch::Tensor& x
   return {out, sum};
 }
 
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+torch::Tensor fused_detail::rotary_cuda(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   constexpr const char* op = "rotary";
   check_float_input(op, "x", x);
   check_input(op, "cos", cos, x, x.scalar_type());
   check_input(op, "sin", sin, x, x.scalar_type());
-  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, op, ": x ", x.sizes(), " must be [B, heads, T, D], D even");
-  TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && (cos.size(0) == 1 || cos.size(0) == x.size(0)) &&
-                  cos.size(1) == x.size(2) && cos.size(2) == x.size(3),
-              op, ": cos ", cos.sizes(), " and sin ", sin.sizes(), " must be [B or 1, T, D] for x ", x.sizes());
+  fused_detail::check_rotary_shapes(op, x, cos, sin);
   check_no_grad(op, {x, cos, sin}, "rotary_reference");
 
   const c10::cuda::CUDAGuard guard(x.device());

@@ -2,6 +2,7 @@
 // function over the fused pair, and the entry points' stand-ins when CUDA is not built.
 // No kernels of its own: the CUDA ones are in fused_cuda.cu.
 #include "kernels/fused.hpp"
+#include "kernels/fused_internal.hpp"
 
 #include <torch/torch.h>
 
@@ -60,12 +61,7 @@ std::pair<torch::Tensor, torch::Tensor> rms_norm_residual_reference(const torch:
 }
 
 torch::Tensor rotary_reference(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, "rotary_reference: x ", x.sizes(),
-              " must be [B, heads, T, D], D even");
-  TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && (cos.size(0) == 1 || cos.size(0) == x.size(0)) &&
-                  cos.size(1) == x.size(2) && cos.size(2) == x.size(3),
-              "rotary_reference: cos ", cos.sizes(), " and sin ", sin.sizes(), " must be [B or 1, T, D] for x ",
-              x.sizes());
+  fused_detail::check_rotary_shapes("rotary_reference", x, cos, sin);
   auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);  // (B|1, 1, T, D)
   auto halves = x.chunk(2, -1);
   return x * c + torch::cat({-halves[1], halves[0]}, -1) * s;
@@ -112,13 +108,14 @@ void built_without_cuda(const char* op, const char* reference) {
 
 bool fused_cuda_built() { return false; }
 
-std::pair<torch::Tensor, torch::Tensor> rms_norm_residual(const torch::Tensor&, const torch::Tensor&,
-                                                          const torch::Tensor&, double) {
+std::pair<torch::Tensor, torch::Tensor> fused_detail::rms_norm_residual_cuda(const torch::Tensor&,
+                                                                             const torch::Tensor&,
+                                                                             const torch::Tensor&, double) {
   built_without_cuda("rms_norm_residual", "rms_norm_residual_reference");
   return {};
 }
 
-torch::Tensor rotary(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+torch::Tensor fused_detail::rotary_cuda(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
   built_without_cuda("rotary", "rotary_reference");
   return {};
 }

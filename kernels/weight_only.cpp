@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -272,13 +273,17 @@ bool avx2_fma() {
 
 torch::Tensor few_rows(const torch::Tensor& rows, const QuantizedWeight& w) {
   const int64_t M = rows.size(0), N = w.out_features, K = w.in_features;
-  auto x = rows.to(torch::kFloat32).contiguous();
+  auto x = rows.scalar_type() == torch::kFloat32 && rows.is_contiguous() ? rows : rows.to(torch::kFloat32).contiguous();
   auto y = torch::empty({M, N}, torch::kFloat32);
-  torch::Tensor xsum;
   // int4: x's sums over each group, in 8 lanes: [M, G, 8], lane j the sum of inputs j, j + 8,
-  // j + 16 and j + 24 of the group.
-  if (w.bits == 4) xsum = x.reshape({M, K / kInt4Group, 4, 8}).sum(2).contiguous();
-  const FewRowsArgs a{x.data_ptr<float>(), xsum.defined() ? xsum.data_ptr<float>() : nullptr,
+  // j + 16 and j + 24 of the group. A loop, not ATen ops: a decode step makes ~120 of these.
+  std::vector<float> xsum;
+  if (w.bits == 4) {
+    const float* xp = x.data_ptr<float>();
+    xsum.assign(M * K / 4, 0.0f);
+    for (int64_t i = 0; i < M * K; ++i) xsum[(i / kInt4Group) * 8 + i % 8] += xp[i];
+  }
+  const FewRowsArgs a{x.data_ptr<float>(), xsum.empty() ? nullptr : xsum.data(),
                       w.codes.data_ptr(), w.code_scale.data_ptr<float>(),
                       w.bits == 4 ? w.code_low.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K};
   const int bits = static_cast<int>(w.bits);

@@ -48,16 +48,21 @@ bool batch_invariant_now(bool on, const torch::Tensor& x) {
          (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64);
 }
 
-// The fused CUDA kernels (kernels/fused.hpp) compute what the plain ops here compute; they take
-// over for inference on a GPU, where each plain op is a kernel launch: contiguous tensors of one
-// float dtype, no autograd.
+// The fused kernels (kernels/fused.hpp) compute what the plain ops here compute; they take over
+// for inference, where each plain op is a kernel launch on a GPU, and on a CPU a dispatch and an
+// allocation (in a one-sequence decode step, more than the op's arithmetic): tensors of one
+// float dtype, no autograd; on a GPU contiguous ones, in a build with the CUDA kernels.
 bool fused_now(std::initializer_list<const torch::Tensor*> tensors) {
   static const bool built = kernels::fused_cuda_built();
-  if (!built || torch::GradMode::is_enabled()) return false;
-  const auto dtype = (*tensors.begin())->scalar_type();
+  if (torch::GradMode::is_enabled()) return false;
+  const auto& first = **tensors.begin();
+  const auto dtype = first.scalar_type();
   if (dtype != torch::kFloat32 && dtype != torch::kBFloat16 && dtype != torch::kHalf) return false;
-  return std::all_of(tensors.begin(), tensors.end(),
-                     [&](const torch::Tensor* t) { return t->is_cuda() && t->is_contiguous() && t->scalar_type() == dtype; });
+  const bool cpu = first.is_cpu();
+  if (!cpu && !(built && first.is_cuda())) return false;
+  return std::all_of(tensors.begin(), tensors.end(), [&](const torch::Tensor* t) {
+    return t->device() == first.device() && t->scalar_type() == dtype && (cpu || t->is_contiguous());
+  });
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
@@ -120,8 +125,8 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 
 // x [B, heads, T, hd]; cos, sin [B, T, hd]
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  if (fused_now({&cos, &sin}) && x.scalar_type() == cos.scalar_type() && x.is_cuda())
-    return kernels::rotary(x.contiguous(), cos, sin);  // one copy and one kernel, for five
+  if (fused_now({&cos, &sin}) && x.scalar_type() == cos.scalar_type() && x.device() == cos.device())
+    return kernels::rotary(x.is_cuda() ? x.contiguous() : x, cos, sin);  // (at most) one copy and one kernel, for nine
   auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   return x * c + rotate_half(x) * s;
 }

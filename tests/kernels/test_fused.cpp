@@ -1,5 +1,6 @@
-// The fused ops of kernels/fused.hpp: on the CPU, each _reference against its definition written
-// independently in float64 (always runs); on a GPU, each CUDA kernel against its reference.
+// The fused ops of kernels/fused.hpp: each _reference against its definition written
+// independently in float64, and the CPU kernels against their references (always run); on a GPU,
+// each CUDA kernel against its reference.
 // Speed is bench/fused_kernels.cpp's business, not this file's.
 #include <algorithm>
 #include <cmath>
@@ -166,22 +167,37 @@ TEST_CASE("target_logprobs_reference and its backward equal log_softmax, gather 
                     doctest::Contains("temperature must be positive"));
 }
 
-TEST_CASE("the fused entry points refuse CPU tensors, or say the build has no CUDA") {
+TEST_CASE("swiglu and the token log-probs refuse CPU tensors, or say the build has no CUDA") {
   const std::string expected = kernels::fused_cuda_built() ? "must be a CUDA tensor" : "built without CUDA";
   auto t = torch::randn({2, 3, 4, 8});
-  auto c = torch::randn({1, 4, 8});
   auto logits = torch::randn({3, 10});
   auto targets = torch::zeros({3}, torch::kLong);
-  CHECK_THROWS_WITH(kernels::rms_norm_residual(t, t, torch::ones({8}), 1e-6), doctest::Contains(expected.c_str()));
-  CHECK_THROWS_WITH(kernels::rotary(t, c, c), doctest::Contains(expected.c_str()));
   CHECK_THROWS_WITH(kernels::swiglu(t, t), doctest::Contains(expected.c_str()));
   CHECK_THROWS_WITH(kernels::target_logprobs(logits, targets), doctest::Contains(expected.c_str()));
   CHECK_THROWS_WITH(kernels::target_logprobs_backward(logits, targets, torch::ones({3})),
                     doctest::Contains(expected.c_str()));
 }
 
+TEST_CASE("on the CPU, the fused RMSNorm and rotary refuse what their contract excludes") {
+  auto x = torch::randn({2, 8});
+  CHECK_THROWS_WITH(kernels::rms_norm_residual(x, x, torch::ones({7}), 1e-6), doctest::Contains("must be [..., H] and [H]"));
+  CHECK_THROWS_WITH(kernels::rms_norm_residual(x, x.to(torch::kBFloat16), torch::ones({8}), 1e-6),
+                    doctest::Contains("residual must be Float"));
+  CHECK_THROWS_WITH(kernels::rms_norm_residual(x.to(torch::kFloat64), {}, torch::ones({8}, torch::kFloat64), 1e-6),
+                    doctest::Contains("must be float32, bfloat16 or float16"));
+  auto q = torch::randn({1, 2, 3, 8});
+  CHECK_THROWS_WITH(kernels::rotary(q, torch::ones({1, 4, 8}), torch::zeros({1, 4, 8})),
+                    doctest::Contains("must be [B or 1, T, D]"));
+  auto w = torch::ones({8}).requires_grad_(true);
+  CHECK_THROWS_WITH(kernels::rms_norm_residual(x, {}, w, 1e-6), doctest::Contains("NoGradGuard"));
+  if (kernels::fused_cuda_built() && torch::cuda::is_available())
+    CHECK_THROWS_WITH(kernels::rms_norm_residual(x, x.cuda(), torch::ones({8}), 1e-6),
+                      doctest::Contains("the first input on the CPU"));
+}
+
 // ---------------------------------------------------------------------------------------------
-// GPU: each fused kernel against its reference, on the same device and the same inputs.
+// Each fused kernel against its reference, on the same device and the same inputs: the CPU's
+// kernels always, the GPU's where there is one.
 
 namespace {
 
@@ -224,15 +240,13 @@ bool gpu_ready() {
 
 const torch::ScalarType kDtypes[] = {torch::kFloat32, torch::kBFloat16, torch::kHalf};
 
-}  // namespace
-
-TEST_CASE("on the GPU, the fused kernels equal their references") {
-  if (!gpu_ready()) return;
-  const torch::Device cuda(torch::kCUDA, 0);
+// Each fused kernel on `device` against its reference on the same inputs. swiglu has no CPU kernel.
+void check_fused_against_references(torch::Device device) {
   torch::manual_seed(4);
+  const bool cpu = device.is_cpu();
 
   for (auto dtype : kDtypes) {
-    const auto opts = torch::TensorOptions().dtype(dtype).device(cuda);
+    const auto opts = torch::TensorOptions().dtype(dtype).device(device);
     const auto tol = tolerance_for(dtype);
     double err_norm = 0, err_sum = 0, err_rope = 0, err_swiglu = 0;
 
@@ -268,6 +282,28 @@ TEST_CASE("on the GPU, the fused kernels equal their references") {
       }
     }
 
+    // On the CPU, x as the attention hands it over: a [B, T, heads, D] view transposed, and the
+    // float32 result the plain ops' bits (no fma contraction, the same roundings).
+    if (cpu) {
+      auto x = torch::randn({2, 37, 9, 64}, opts).transpose(1, 2);
+      auto [cos, sin] = rope_cos_sin(2, 37, 64);
+      cos = cos.to(opts);
+      sin = sin.to(opts);
+      auto out = kernels::rotary(x, cos, sin), want = kernels::rotary_reference(x, cos, sin);
+      err_rope = std::max(err_rope, expect_close(out, want, tol));
+      if (dtype == torch::kFloat32) CHECK(torch::equal(out, want));
+      // And a residual stream that is a slice of a wider buffer.
+      auto wide = torch::randn({5, 2 * 576}, opts), residual = torch::randn({5, 576}, opts);
+      auto weight = (1 + 0.1 * torch::randn({576})).to(opts);
+      auto [normed, sum] = kernels::rms_norm_residual(wide.narrow(1, 100, 576), residual, weight, 1e-6);
+      auto [want_normed, want_sum] = kernels::rms_norm_residual_reference(wide.narrow(1, 100, 576), residual, weight, 1e-6);
+      CHECK(torch::equal(sum, want_sum));
+      err_norm = std::max(err_norm, expect_close(normed, want_normed, tol));
+      MESSAGE(std::string(dtype_name(dtype)), " on the CPU, max |fused - reference|: rms_norm ", err_norm, " (sum ",
+              err_sum, "), rotary ", err_rope);
+      continue;
+    }
+
     // swiglu: an intermediate size (1536) and an odd element count.
     for (auto shape : {std::vector<int64_t>{4, 37, 1536}, std::vector<int64_t>{7, 1001}, std::vector<int64_t>{5}}) {
       auto gate = 3 * torch::randn(shape, opts), up = torch::randn(shape, opts);
@@ -281,6 +317,17 @@ TEST_CASE("on the GPU, the fused kernels equal their references") {
     MESSAGE(std::string(dtype_name(dtype)), " max |fused - reference|: rms_norm ", err_norm, " (sum ", err_sum, "), rotary ",
             err_rope, ", swiglu ", err_swiglu);
   }
+}
+
+}  // namespace
+
+TEST_CASE("on the CPU, the fused RMSNorm and rotary equal their references") {
+  check_fused_against_references(torch::kCPU);
+}
+
+TEST_CASE("on the GPU, the fused kernels equal their references") {
+  if (!gpu_ready()) return;
+  check_fused_against_references(torch::Device(torch::kCUDA, 0));
 }
 
 TEST_CASE("on the GPU, target_logprobs and its backward equal their references") {
