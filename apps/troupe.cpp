@@ -512,6 +512,7 @@ int main(int argc, char** argv) {
       auto m = load_model(ppl_model, {.dtype = parse_dtype(ppl_dtype)});
       m.model->eval();
       m.model->keep_fused_weights(true);  // quantized once, not per batch
+      m.model->set_fused_kernels(true);
       m.model->set_weight_format(*weights);
       auto texts = read_jsonl_field(ppl_data, ppl_field, ppl_limit);
       auto r = perplexity(*m.model, require_tokenizer(m), texts, ppl_batch, ppl_max_length);

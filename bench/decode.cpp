@@ -66,6 +66,7 @@ int main(int argc, char** argv) {
   auto m = troupe::load_model(model_path, {.dtype = dtype, .tokenizer = false});
   m.model->eval();
   m.model->keep_fused_weights(true);  // as an engine does: weights change only at a sync
+  m.model->set_fused_kernels(true);
   m.model->set_weight_format(*weights);
   troupe::SamplingParams greedy{.temperature = 0, .max_tokens = max_tokens, .ignore_eos = true};
   using clock = std::chrono::steady_clock;

@@ -82,6 +82,7 @@ Engine::Engine(Transformer model, std::optional<Tokenizer> tokenizer, EngineOpti
   }
   model_->eval();
   model_->keep_fused_weights(true);  // weights change only through update_weights, between steps
+  model_->set_fused_kernels(true);   // inference only
   if (options_.batch_invariant) model_->set_batch_invariant(true);
   model_->set_weight_format(options_.weights);
   torch::NoGradGuard no_grad;

@@ -48,10 +48,11 @@ bool batch_invariant_now(bool on, const torch::Tensor& x) {
          (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64);
 }
 
-// The fused kernels (kernels/fused.hpp) compute what the plain ops here compute; they take over
-// for inference, where each plain op is a kernel launch on a GPU, and on a CPU a dispatch and an
-// allocation (in a one-sequence decode step, more than the op's arithmetic): tensors of one
-// float dtype, no autograd; on a GPU contiguous ones, in a build with the CUDA kernels.
+// The fused kernels (kernels/fused.hpp) compute what the plain ops here compute, to rounding;
+// they take over in models set up for inference (set_fused_kernels), where each plain op is a
+// kernel launch on a GPU, and on a CPU a dispatch and an allocation (in a one-sequence decode
+// step, more than the op's arithmetic). Whether they can take these tensors: one float dtype, no
+// autograd; on a GPU contiguous ones, in a build with the CUDA kernels.
 bool fused_now(std::initializer_list<const torch::Tensor*> tensors) {
   static const bool built = kernels::fused_cuda_built();
   if (torch::GradMode::is_enabled()) return false;
@@ -71,14 +72,14 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   if (batch_invariant_now(invariant_, x)) return kernels::bi_rms_norm(x, weight_, eps_);
-  if (fused_now({&x, &weight_})) return kernels::rms_norm_residual(x, torch::Tensor(), weight_, eps_).first;
+  if (fused_ && fused_now({&x, &weight_})) return kernels::rms_norm_residual(x, torch::Tensor(), weight_, eps_).first;
   auto h = x.to(at::promote_types(x.scalar_type(), torch::kFloat32));  // float64 stays float64
   h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
   return weight_ * h.to(x.scalar_type());
 }
 
 std::pair<torch::Tensor, torch::Tensor> RMSNormImpl::add_and_norm(const torch::Tensor& x, const torch::Tensor& residual) {
-  if (fused_now({&x, &residual, &weight_})) return kernels::rms_norm_residual(x, residual, weight_, eps_);
+  if (fused_ && !batch_invariant_now(invariant_, x) && fused_now({&x, &residual, &weight_})) return kernels::rms_norm_residual(x, residual, weight_, eps_);
   auto sum = residual + x;
   return {forward(sum), sum};
 }
@@ -123,9 +124,9 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
   return torch::cat({-halves[1], halves[0]}, -1);
 }
 
-// x [B, heads, T, hd]; cos, sin [B, T, hd]
-torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  if (fused_now({&cos, &sin}) && x.scalar_type() == cos.scalar_type() && x.device() == cos.device())
+// x [B, heads, T, hd]; cos, sin [B, T, hd]. `fused`: the fused kernel where it can run.
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, bool fused) {
+  if (fused && fused_now({&cos, &sin}) && x.scalar_type() == cos.scalar_type() && x.device() == cos.device())
     return kernels::rotary(x.is_cuda() ? x.contiguous() : x, cos, sin);  // (at most) one copy and one kernel, for nine
   auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   return x * c + rotate_half(x) * s;
@@ -328,8 +329,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     q = q_norm_(q);
     k = k_norm_(k);
   }
-  q = apply_rope(q.transpose(1, 2), cos, sin);  // (B, nh, T, hd)
-  k = apply_rope(k.transpose(1, 2), cos, sin);  // (B, nkv, T, hd)
+  q = apply_rope(q.transpose(1, 2), cos, sin, fused_ && !invariant);  // (B, nh, T, hd)
+  k = apply_rope(k.transpose(1, 2), cos, sin, fused_ && !invariant);  // (B, nkv, T, hd)
   v = v.transpose(1, 2);
 
   bool causal = !mask.defined() && T > 1;
@@ -400,6 +401,14 @@ torch::Tensor AttentionImpl::attend_with_prefixes(const torch::Tensor& q, const 
   auto w_own = (own_lse - top).exp().unsqueeze(-1), w_pre = (pre_lse - top).exp().unsqueeze(-1);
   auto out = (own.to(torch::kFloat32) * w_own + pre * w_pre) / (w_own + w_pre);
   return out.to(q.scalar_type()).reshape({B, n_heads_, 1, head_dim_});
+}
+
+void AttentionImpl::set_fused_kernels(bool on) {
+  fused_ = on;
+  if (q_norm_) {
+    q_norm_->set_fused_kernels(on);
+    k_norm_->set_fused_kernels(on);
+  }
 }
 
 void AttentionImpl::set_batch_invariant(bool on) {
@@ -479,6 +488,11 @@ torch::Tensor DecoderImpl::forward(const torch::Tensor& ids, const torch::Tensor
   return norm_(h);
 }
 
+void DecoderImpl::set_fused_kernels(bool on) {
+  norm_->set_fused_kernels(on);
+  for (size_t l = 0; l < layers_->size(); ++l) layers_->ptr<DecoderLayerImpl>(l)->set_fused_kernels(on);
+}
+
 void DecoderImpl::keep_fused_weights(bool on) {
   for (size_t l = 0; l < layers_->size(); ++l) layers_->ptr<DecoderLayerImpl>(l)->keep_fused_weights(on);
 }
@@ -522,6 +536,8 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const torch::Te
   TORCH_CHECK(positions.sizes() == ids.sizes(), "positions ", positions.sizes(), " must match ids ", ids.sizes());
   return model_(ids, positions, mask, cache);
 }
+
+void TransformerImpl::set_fused_kernels(bool on) { model_->set_fused_kernels(on); }
 
 void TransformerImpl::keep_fused_weights(bool on) {
   model_->keep_fused_weights(on);

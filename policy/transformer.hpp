@@ -69,14 +69,16 @@ class RMSNormImpl : public torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps);
   torch::Tensor forward(const torch::Tensor& x);
   // (norm(residual + x), residual + x): the residual stream's add and the next norm (one fused
-  // kernel on a GPU in inference).
+  // kernel in inference, with set_fused_kernels).
   std::pair<torch::Tensor, torch::Tensor> add_and_norm(const torch::Tensor& x, const torch::Tensor& residual);
   void set_batch_invariant(bool on) { invariant_ = on; }
+  void set_fused_kernels(bool on) { fused_ = on; }
 
  private:
   torch::Tensor weight_;
   double eps_;
   bool invariant_ = false;
+  bool fused_ = false;
 };
 TORCH_MODULE(RMSNorm);
 
@@ -181,6 +183,7 @@ class AttentionImpl : public torch::nn::Module {
   }
   int64_t gemm_bytes() const { return qkv_.bytes() + o_.bytes(); }
   void set_batch_invariant(bool on);
+  void set_fused_kernels(bool on);
 
  private:
   torch::Tensor attend_with_prefixes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -192,6 +195,7 @@ class AttentionImpl : public torch::nn::Module {
   RMSNorm q_norm_{nullptr}, k_norm_{nullptr};
   GemmWeights qkv_, o_;
   bool invariant_ = false;
+  bool fused_ = false;
 };
 TORCH_MODULE(Attention);
 
@@ -239,6 +243,11 @@ class DecoderLayerImpl : public torch::nn::Module {
     input_layernorm_->set_batch_invariant(on);
     post_attention_layernorm_->set_batch_invariant(on);
   }
+  void set_fused_kernels(bool on) {
+    self_attn_->set_fused_kernels(on);
+    input_layernorm_->set_fused_kernels(on);
+    post_attention_layernorm_->set_fused_kernels(on);
+  }
 
  private:
   Attention self_attn_{nullptr};
@@ -260,6 +269,7 @@ class DecoderImpl : public torch::nn::Module {
   int prepare_weights(torch::ScalarType activations);
   int64_t gemm_bytes() const;
   void set_batch_invariant(bool on);
+  void set_fused_kernels(bool on);
 
  private:
   torch::nn::Embedding embed_tokens_{nullptr};
@@ -308,6 +318,14 @@ class TransformerImpl : public torch::nn::Module {
   // LM head included: what model.batch_invariant turns on in engines and the trainer alike.
   void set_batch_invariant(bool on);
   bool batch_invariant() const { return invariant_; }
+  // The fused kernels of kernels/fused.hpp (RMSNorm with the residual add, rotary embedding) in
+  // forward passes without autograd, on the CPU and, in a build with them, on CUDA: each is one
+  // kernel in place of 8 or 9 ops, which a decode step pays for in dispatch on a CPU and in
+  // launches on a GPU. They round otherwise than the plain ops (an RMSNorm's sum of squares in
+  // another order), so they are for inference alone (engines, evaluation): off, a pass without
+  // autograd gives a pass with autograd's bits, which a reference model equal to the policy and
+  // activation checkpointing's recomputation rely on. Batch-invariant kernels take precedence.
+  void set_fused_kernels(bool on);
 
   // The block projections LoRA can adapt (q/k/v/o_proj, gate/up/down_proj), by HF module name.
   ProjectionList projections();
