@@ -1,8 +1,8 @@
 // troupe's side of bench/decode_llamacpp.py: single-sequence greedy decode with the plain
 // KV-cache loop (troupe::generate), EOS ignored, in a weight format (--weights). Times the decode
 // steps only (the prefill and the first token are timed apart), the quantization of the weights
-// (what a weight sync costs a quantized engine; for bf16 on a CPU with native bf16, the packing of
-// the weights for oneDNN, unless --no-pack), the GEMM weight bytes a decode step reads, and
+// (what a weight sync costs a quantized engine; for full float32 weights, or bf16 on a CPU with
+// native bf16, the packing of the weights for oneDNN, unless --no-pack), the GEMM weight bytes a decode step reads, and
 // this machine's memory bandwidth by a plain copy; prints one JSON line with them and the ids.
 #include <chrono>
 #include <iostream>
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   std::string weights_name = "full";
   app.add_option("--weights", weights_name, "full, int8 or int4");
   bool no_pack = false;
-  app.add_flag("--no-pack", no_pack, "bf16: multiply by the plain weight, not a packed oneDNN copy (A/B)");
+  app.add_flag("--no-pack", no_pack, "full weights: multiply by the plain weight, not a packed oneDNN copy (A/B)");
   CLI11_PARSE(app, argc, argv);
   troupe::kernels::set_packed_linear(!no_pack);
 
@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
                            {"cpu_bf16", troupe::cpu_bf16().reason},
                            // int8/int4 over float32 activations, one row: the few-row kernel's loop
                            {"few_rows", troupe::kernels::few_rows_vectorized() ? "AVX2 + FMA loop" : "plain loop"},
-                           {"packed_bf16", *weights == troupe::WeightFormat::full &&
+                           {"packed", *weights == troupe::WeightFormat::full &&
                                                troupe::kernels::packed_linear_pays(m.model->lm_head_weight(), dtype)},
                            {"ids", out.ids}};
   std::cout << result.dump() << std::endl;

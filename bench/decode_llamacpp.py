@@ -58,7 +58,7 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="troupe's side")
     p.add_argument("--weights", default="full", choices=["full", "int8", "int4"], help="troupe's side")
     p.add_argument("--no-pack", action="store_true",
-                   help="troupe's side, bf16: the plain weights, not the packed oneDNN copies (for an A/B)")
+                   help="troupe's side, full weights: the plain weights, not the packed oneDNN copies (for an A/B)")
     args = p.parse_args()
 
     llm = llama_cpp.Llama(model_path=args.model, n_ctx=1024, verbose=False)
@@ -89,8 +89,8 @@ def main():
         print(f"troupe's {args.weights} GEMMs: ATen's packed kernel over {args.dtype} activations")
     if args.weights != "full":
         print(f"troupe's requantization at a weight sync (every GEMM's kept copy): {ours['quantize_s']:.3f} s")
-    elif ours["packed_bf16"]:
-        print(f"troupe's bf16 weights packed for oneDNN (at a weight sync too): {ours['quantize_s']:.3f} s")
+    elif ours["packed"]:
+        print(f"troupe's {args.dtype} weights packed for oneDNN (at a weight sync too): {ours['quantize_s']:.3f} s")
     for name, r in (("troupe", ours), ("llama.cpp", theirs)):
         limit = bandwidth / r["bytes_per_token"]
         print(f"{name + ':':11}{r['tokens_per_s']:8.1f} tokens/s ({r['ms_per_token']:.2f} ms per token, "

@@ -10,12 +10,13 @@
 #include <torch/torch.h>
 
 #include "generator/engine.hpp"
+#include "kernels/packed_linear.hpp"
 #include "policy/checkpoint.hpp"
 
 int main(int argc, char** argv) {
   std::string model_path, prompts_path, dtype_name = "float32", device_name = "cpu";
   int64_t n = 8, max_tokens = 128, max_batch = 128;
-  bool batch_invariant = false;
+  bool batch_invariant = false, no_pack = false;
   std::string prefix_name = "shared", decode_name = "auto";
   CLI::App app{"Time troupe's generation engine"};
   app.add_option("--model", model_path)->required();
@@ -28,6 +29,7 @@ int main(int argc, char** argv) {
   app.add_option("--prefix", prefix_name, "separate, copy or shared: the engine's PrefixSharing");
   app.add_option("--decode", decode_name, "auto, eager, graphs or static_eager: the engine's DecodeMode (auto: graphs on CUDA)");
   app.add_flag("--batch-invariant", batch_invariant, "model.batch_invariant: the batch-invariant kernels (CPU)");
+  app.add_flag("--no-pack", no_pack, "CPU: multiply by the plain weights, not packed oneDNN copies (A/B)");
   CLI11_PARSE(app, argc, argv);
 
   const std::map<std::string, troupe::PrefixSharing> prefixes = {
@@ -45,6 +47,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   auto dtype = dtype_name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
+  troupe::kernels::set_packed_linear(!no_pack);
   try {  // an engine or model that cannot run here is an error message, not an abort
     // Timing needs no device sync: every step brings its sampled ids back to the host.
     auto m = troupe::load_model(model_path, {.dtype = dtype, .device = torch::Device(device_name), .tokenizer = false});

@@ -24,7 +24,8 @@ std::optional<c10::OperatorHandle> find_op(const char* name) {
 
 struct Ops {
   std::optional<c10::OperatorHandle> reorder, linear;
-  bool here = false;  // both ops present, oneDNN built in, bf16 native on this CPU
+  bool here = false;  // both ops present, oneDNN built in
+  bool bf16 = false;  // and bf16 native on this CPU
 };
 
 const Ops& ops() {
@@ -32,7 +33,8 @@ const Ops& ops() {
     Ops r;
     r.reorder = find_op("mkldnn::_reorder_linear_weight");
     r.linear = find_op("mkldnn::_linear_pointwise");
-    r.here = r.reorder && r.linear && at::hasMKLDNN() && cpu_bf16().native;
+    r.here = r.reorder && r.linear && at::hasMKLDNN();
+    r.bf16 = r.here && cpu_bf16().native;
     return r;
   }();
   return o;
@@ -47,24 +49,26 @@ torch::Tensor call(const std::optional<c10::OperatorHandle>& op, std::vector<c10
 }  // namespace
 
 bool packed_linear_pays(const torch::Tensor& weight, torch::ScalarType activations) {
-  return enabled.load(std::memory_order_relaxed) && activations == torch::kBFloat16 &&
-         weight.scalar_type() == torch::kBFloat16 && weight.device().is_cpu() && weight.dim() == 2 &&
-         ops().here && at::globalContext().userEnabledMkldnn();
+  const auto dtype = weight.scalar_type();
+  const bool kind = dtype == torch::kFloat32 || (dtype == torch::kBFloat16 && ops().bf16);
+  return enabled.load(std::memory_order_relaxed) && kind && activations == dtype && weight.device().is_cpu() &&
+         weight.dim() == 2 && ops().here && at::globalContext().userEnabledMkldnn();
 }
 
 void set_packed_linear(bool on) { enabled.store(on, std::memory_order_relaxed); }
 
 torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.device().is_cpu(),
-              "pack_linear_weight: a [N, K] bfloat16 CPU weight, not ", weight.sizes(), " ", weight.scalar_type());
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.dim() == 2 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && weight.device().is_cpu(),
+              "pack_linear_weight: a [N, K] float32 or bfloat16 CPU weight, not ", weight.sizes(), " ", dtype);
   // No batch-size hint: the same packed weight serves decode (M = rows) and prefill.
   return call(ops().reorder, {weight.contiguous(), c10::IValue()});
 }
 
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias,
                             int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(),
-              "packed_linear: bfloat16 CPU activations, not ", x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type() && x.device().is_cpu(), "packed_linear: CPU activations in the ",
+              packed.scalar_type(), " of the packed weight, not ", x.scalar_type(), " on ", x.device());
   auto sizes = x.sizes().vec();
   sizes.back() = out_features;
   if (x.numel() == 0) return torch::empty(sizes, x.options());

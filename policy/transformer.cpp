@@ -209,7 +209,7 @@ bool GemmWeights::repack(const torch::Tensor& weight, const std::vector<torch::T
     key_.clear();
     return false;
   }
-  auto key = key_of(weights, biases);  // only here: float32 GEMMs pay nothing for packing
+  auto key = key_of(weights, biases);  // only here: unkept or unpacked GEMMs pay nothing for it
   if (packed_.defined() && key == key_) return false;
   packed_ = torch::Tensor();  // the stale copy freed before the new one is made
   packed_ = kernels::pack_linear_weight(weight);
@@ -237,8 +237,9 @@ torch::Tensor GemmWeights::apply(const torch::Tensor& x, const std::vector<torch
     // Full weights are never copied for good: kept, several parts first move into one buffer of
     // which each part's parameter becomes a view (fused), and from then on that buffer is the
     // fused weight itself. In-place writes (an optimizer step, update_weights) land in it.
-    // The one exception: kept in bf16 on a CPU with native bf16, the GEMM reads a packed copy of
-    // that buffer (kernels/packed_linear.hpp), made again whenever a write moves its version.
+    // The one exception: kept in float32, or in bf16 on a CPU with native bf16, the GEMM reads a
+    // packed copy of that buffer (kernels/packed_linear.hpp), made again whenever a write moves
+    // its version.
     bias_ = torch::Tensor();
     quantized_ = {};
     auto weight = fused(weights, keep), bias = fused(biases, keep);

@@ -125,8 +125,9 @@ struct Projection {
 //   `keep`, a concatenation is made for the call, unless the parts already lie side by side.
 // - int8, int4: the quantized copy is rebuilt on every call unless `keep` is on; then kept until a
 //   weight changes, seen by a new data pointer or a moved version counter.
-// - full bfloat16 on a CPU with native bf16, kept: a copy in oneDNN's blocked layout is kept the
-//   same way (kernels/packed_linear.hpp), since a plain bf16 weight is reordered in every call.
+// - full float32, or bfloat16 on a CPU with native bf16, kept: a copy in oneDNN's blocked layout
+//   is kept the same way (kernels/packed_linear.hpp), since a plain weight is reordered (or copied
+//   into MKL's panels) in every call.
 struct GemmWeights {
   bool keep = false;
   WeightFormat format = WeightFormat::full;
@@ -163,7 +164,7 @@ struct GemmWeights {
   int64_t bytes_ = 0;
   torch::Tensor bias_;                  // the joined biases of a quantized format
   kernels::QuantizedWeight quantized_;  // format int8 or int4
-  torch::Tensor packed_;                // format full: the bf16 weight in oneDNN's layout
+  torch::Tensor packed_;                // format full: the weight in oneDNN's layout
   std::vector<std::pair<const void*, int64_t>> key_;  // each weight's data pointer and version
 };
 

@@ -151,40 +151,45 @@ TEST_CASE("kept fused weights follow in-place weight changes, and autograd still
   }
 }
 
-TEST_CASE("kept bfloat16 weights (packed for oneDNN where bf16 is native) follow in-place weight changes") {
+TEST_CASE("kept weights (packed for oneDNN: float32, and bf16 where native) follow in-place weight changes") {
   torch::NoGradGuard no_grad;
-  auto kept = load("qwen2", torch::kBFloat16);
-  auto fresh = load("qwen2", torch::kBFloat16);
-  kept.model->keep_fused_weights(true);
-  const bool packed = kernels::packed_linear_pays(kept.model->lm_head_weight(), torch::kBFloat16);
-  const std::string path = packed ? "packed bf16 weights (native bf16 here)" : "plain bf16 weights (no native bf16 here)";
-  MESSAGE(path);
-  CHECK(kept.model->prepare_weights(torch::kBFloat16) == (packed ? 2 * 4 + 1 : 0));  // 2 layers of 4 GEMMs, LM head
-  CHECK(kept.model->prepare_weights(torch::kBFloat16) == 0);  // current: nothing packed again
-  auto ids = read_reference("qwen2")["input_ids"].select(0, 0).unsqueeze(0);
-  auto positions = torch::arange(ids.size(1)).unsqueeze(0);
-  auto logits = [&](LoadedModel& m) { return m.model->logits(m.model->forward(ids, positions)); };
-  const double scale = logits(fresh).abs().max().item<double>();
-  // Packed or not, the same bf16 weights: only the order of summation may differ.
-  const double before = max_abs_diff(logits(kept), logits(fresh));
-  MESSAGE("kept against plain: " << before << " (logit scale " << scale << ")");
-  CHECK(before < 0.02 * scale);
-  torch::manual_seed(3);
-  for (const char* name : {"model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.bias",
-                           "model.layers.0.mlp.up_proj.weight", "lm_head.weight"}) {
-    auto param = kept.model->named_parameters()[name];
-    auto delta = (torch::randn(param.sizes()) * 0.2).to(torch::kBFloat16);
-    param.add_(delta);
-    fresh.model->named_parameters()[name].add_(delta);
+  // float32 outputs differ from the plain path's by the order of summation; bf16 ones by rounding too.
+  for (auto [dtype, tolerance] : {std::pair{torch::kFloat32, 1e-5}, std::pair{torch::kBFloat16, 0.02}}) {
+    CAPTURE(dtype);
+    auto kept = load("qwen2", dtype);
+    auto fresh = load("qwen2", dtype);
+    kept.model->keep_fused_weights(true);
+    const bool packed = kernels::packed_linear_pays(kept.model->lm_head_weight(), dtype);
+    const std::string path = std::string(c10::toString(dtype)) + (packed ? ": packed weights" : ": plain weights");
+    MESSAGE(path);
+    if (dtype == torch::kFloat32) CHECK(packed == at::hasMKLDNN());
+    CHECK(kept.model->prepare_weights(dtype) == (packed ? 2 * 4 + 1 : 0));  // 2 layers of 4 GEMMs, LM head
+    CHECK(kept.model->prepare_weights(dtype) == 0);  // current: nothing packed again
+    auto ids = read_reference("qwen2")["input_ids"].select(0, 0).unsqueeze(0);
+    auto positions = torch::arange(ids.size(1)).unsqueeze(0);
+    auto logits = [&](LoadedModel& m) { return m.model->logits(m.model->forward(ids, positions)); };
+    const double scale = logits(fresh).abs().max().item<double>();
+    // Packed or not, the same weights: only the order of summation may differ.
+    const double before = max_abs_diff(logits(kept), logits(fresh));
+    MESSAGE("kept against plain: " << before << " (logit scale " << scale << ")");
+    CHECK(before < tolerance * scale);
+    torch::manual_seed(3);
+    for (const char* name : {"model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.bias",
+                             "model.layers.0.mlp.up_proj.weight", "lm_head.weight"}) {
+      auto param = kept.model->named_parameters()[name];
+      auto delta = (torch::randn(param.sizes()) * 0.2).to(dtype);
+      param.add_(delta);
+      fresh.model->named_parameters()[name].add_(delta);
+    }
+    auto after = logits(kept);
+    auto original = load("qwen2", dtype);
+    const double moved = max_abs_diff(after, logits(original)), followed = max_abs_diff(after, logits(fresh));
+    const double changed_scale = logits(fresh).abs().max().item<double>();
+    MESSAGE("after the change: " << followed << " from the changed model (logit scale " << changed_scale << "), "
+                                 << moved << " from the original");
+    CHECK(followed < tolerance * changed_scale);
+    CHECK(moved > 5 * followed);  // the packed copies were made again, not read stale
   }
-  auto after = logits(kept);
-  auto original = load("qwen2", torch::kBFloat16);
-  const double moved = max_abs_diff(after, logits(original)), followed = max_abs_diff(after, logits(fresh));
-  const double changed_scale = logits(fresh).abs().max().item<double>();
-  MESSAGE("after the change: " << followed << " from the changed model (logit scale " << changed_scale << "), "
-                               << moved << " from the original");
-  CHECK(followed < 0.02 * changed_scale);
-  CHECK(moved > 5 * followed);  // the packed copies were made again, not read stale
 }
 
 TEST_CASE("rows of one document without padding take the causal path, with the same logits") {
