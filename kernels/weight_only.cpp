@@ -1,5 +1,5 @@
-// Weight-only int8 and int4 GEMMs through ATen's CPU kernels, MKL or the few-row kernel, with the
-// plain-ATen rounding rule they are tested against (tests/kernels/test_weight_only.cpp).
+// Weight-only int8 and int4 GEMMs through ATen's CPU kernels, oneDNN, MKL or the few-row kernel,
+// with the plain-ATen rounding rule they are tested against (tests/kernels/test_weight_only.cpp).
 #include "kernels/weight_only.hpp"
 
 #include <algorithm>
@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/linear.h>
+
+#include "kernels/packed_linear.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -338,7 +340,10 @@ QuantizedWeight quantize_weight(const torch::Tensor& weight, int64_t bits, torch
   QuantizedWeight out{.bits = bits, .out_features = N, .in_features = K};
   if (activations == torch::kFloat32) {
     auto r = bits == 8 ? int8_rows_fast(weight, /*dequantize=*/true) : int4_groups_fast(weight, /*dequantize=*/true);
-    out.dequantized = r.dequantized;
+    // Packed for oneDNN where that pays (kernels/packed_linear.hpp): MKL would copy the plain
+    // weight into its panels in every call. The plain copy is freed; the packed one replaces it.
+    out.dequantized = packed_linear_pays(r.dequantized, torch::kFloat32) ? pack_linear_weight(r.dequantized)
+                                                                        : r.dequantized;
     out.code_scale = r.scale;
     if (bits == 8) {
       out.codes = r.codes;
@@ -372,9 +377,13 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedWeight& we
   const int64_t M = x.numel() / weight.in_features;
   const bool few = weight.codes.defined() && (few_rows_kernel == FewRows::always ||
                                               (few_rows_kernel == FewRows::automatic && M <= kFewRows));
-  if (!few && weight.dequantized.defined())
-    return torch::nn::functional::linear(x.to(torch::kFloat32), weight.dequantized,
-                                         bias.defined() ? bias.to(torch::kFloat32) : bias).to(x.scalar_type());
+  if (!few && weight.dequantized.defined()) {
+    auto rows = x.to(torch::kFloat32);
+    auto b = bias.defined() ? bias.to(torch::kFloat32) : bias;
+    auto y = weight.dequantized.is_mkldnn() ? packed_linear(rows, weight.dequantized, b, weight.out_features)
+                                            : torch::nn::functional::linear(rows, weight.dequantized, b);
+    return y.to(x.scalar_type());
+  }
   torch::Tensor y;  // (M, N)
   if (few) {
     y = few_rows(x.reshape({M, weight.in_features}), weight);

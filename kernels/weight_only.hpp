@@ -3,7 +3,8 @@
 // kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu, as gpt-fast uses them), which read
 // a quarter or an eighth of float32's bytes. Those kernels are scalar for float32 activations (7x
 // slower than MKL here), so for float32 two copies are kept: the weight dequantized in float32,
-// which MKL multiplies when x has many rows (prefill, batched decoding: compute-bound), and the
+// which oneDNN (packed) or MKL multiplies when x has many rows (prefill, batched decoding:
+// compute-bound), and the
 // codes themselves, which a few-row kernel of ours multiplies (decoding one or a few sequences:
 // bound by the bytes read, an eighth or a quarter of float32's). It is an AVX2 + FMA loop, chosen
 // at run time, and a plain loop elsewhere; ATen has no int4 kernel for float32 activations that
@@ -30,7 +31,9 @@ struct QuantizedWeight {
   // bfloat16 activations: int8: [N, K] int8; int4: ATen's CPU int4 pack of [N', K] (uint8),
   // N' = N rounded up to 16. Scales: int8 [N]; int4 [K / group, N', 2] (scale, zero), bfloat16.
   torch::Tensor packed, scales;
-  torch::Tensor dequantized;  // float32 activations: [N, K] float32, the weight the rounding gives
+  // float32 activations: [N, K] float32, the weight the rounding gives; packed in oneDNN's layout
+  // (an opaque MKLDNN tensor: is_mkldnn(), to_dense()) where that pays (kernels/packed_linear.hpp).
+  torch::Tensor dequantized;
   // float32 activations, the few-row kernel's codes: int8: [N, K] int8 with `code_scale` [N];
   // int4: [N, K / 2] uint8, each group's 32 codes in 16 bytes (byte j: code j in the low nibble,
   // code j + 16 in the high one), `code_scale` and `code_low` [N, K / group]: a weight is

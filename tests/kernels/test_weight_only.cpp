@@ -42,7 +42,7 @@ TEST_CASE("int8 and int4 GEMMs equal x times the weight rounded by their rule") 
       REQUIRE((yb.sizes() == ref_b.sizes()));
       CHECK((yb.scalar_type() == torch::kBFloat16));
       double err_b = max_rel_diff(yb, ref_b);
-      // float32 activations: the dequantized weight through MKL, against float64.
+      // float32 activations: the dequantized weight through oneDNN (packed) or MKL, against float64.
       auto q = quantize_weight(w, bits, torch::kFloat32);
       CHECK(q.dequantized.defined());
       auto ref = torch::matmul(x.to(torch::kFloat64), w_ref.t()) + bias.to(torch::kFloat64);  // (M, N)
@@ -62,7 +62,7 @@ TEST_CASE("int8 and int4 GEMMs equal x times the weight rounded by their rule") 
 
 TEST_CASE("float32's few-row kernel reads the codes and equals x times the weight rounded by the rule") {
   // Decoding one or a few sequences multiplies the int8 or int4 codes themselves (an eighth of
-  // float32's bytes for int4); many rows go through MKL over the dequantized copy. Both hold the
+  // float32's bytes for int4); many rows go through oneDNN or MKL over the dequantized copy. Both hold the
   // same policy: each against float64 over the rounded weight, on both thread counts, through the
   // vector loop where this CPU has AVX2 + FMA and through the plain loop (what other CPUs run).
   MESSAGE("few-row kernel: " << (few_rows_vectorized() ? "AVX2 + FMA" : "plain loop"));
@@ -163,7 +163,8 @@ TEST_CASE("quantize_weight's one-pass rule gives fake_quantize_reference's bits,
         CAPTURE(n);
         torch::set_num_threads(n);
         auto fast = quantize_weight(w, bits, torch::kFloat32).dequantized;
-        CHECK(torch::equal(fast, fake_quantize_reference(w, bits)));
+        CHECK(fast.is_mkldnn() == at::hasMKLDNN());  // packed for oneDNN where LibTorch has it
+        CHECK(torch::equal(fast.is_mkldnn() ? fast.to_dense() : fast, fake_quantize_reference(w, bits)));
       }
   torch::set_num_threads(threads);
 }
