@@ -2,8 +2,9 @@
 // KV-cache loop (troupe::generate), EOS ignored, in a weight format (--weights). Times the decode
 // steps only (the prefill and the first token are timed apart), the quantization of the weights
 // (what a weight sync costs a quantized engine; for full float32 weights, or bf16 on a CPU with
-// native bf16, the packing of the weights for oneDNN, unless --no-pack), the GEMM weight bytes a decode step reads, and
-// this machine's memory bandwidth by a plain copy; prints one JSON line with them and the ids.
+// native bf16, the packing of the weights for oneDNN, unless --no-pack), the GEMM weight bytes a
+// decode step reads, and this machine's memory bandwidth by a plain copy; prints one JSON line
+// with them and the ids.
 #include <chrono>
 #include <iostream>
 #include <sstream>

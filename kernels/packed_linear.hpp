@@ -31,7 +31,8 @@ void set_packed_linear(bool on);
 // weight [N, K] float32 or bfloat16 -> oneDNN's blocked layout of it (an opaque MKLDNN tensor).
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 
-// x [..., K] in the packed weight's dtype -> x W^T + bias [..., N], W the packed weight of out_features rows.
+// x [..., K] in the packed weight's dtype -> x W^T + bias [..., N], W the packed weight of
+// out_features rows.
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias,
                             int64_t out_features);
 
