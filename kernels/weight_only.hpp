@@ -5,10 +5,10 @@
 // slower than MKL here), so for float32 two copies are kept: the weight dequantized in float32,
 // which oneDNN (packed) or MKL multiplies when x has many rows (prefill, batched decoding:
 // compute-bound), and the codes themselves, which a few-row kernel of ours multiplies (decoding
-// one or a few sequences: bound by the bytes read, an eighth or a quarter of float32's). It is an AVX2 + FMA loop, chosen
-// at run time, and a plain loop elsewhere; ATen has no int4 kernel for float32 activations that
-// is not scalar, and its bfloat16 one runs at a fifth of the memory bandwidth on AVX2. Both copies
-// hold the same quantized policy. No autograd: the copies are made from float weights (the
+// one or a few sequences: bound by the bytes read, an eighth or a quarter of float32's). It is an
+// AVX2 + FMA loop, chosen at run time, and a plain loop elsewhere; ATen has no int4 kernel for
+// float32 activations that is not scalar, and its bfloat16 one runs at a fifth of the memory
+// bandwidth on AVX2. Both copies hold the same quantized policy. No autograd: the copies are made from float weights (the
 // trainer's, at every sync) and only read.
 #pragma once
 

@@ -62,9 +62,10 @@ TEST_CASE("int8 and int4 GEMMs equal x times the weight rounded by their rule") 
 
 TEST_CASE("float32's few-row kernel reads the codes and equals x times the weight rounded by the rule") {
   // Decoding one or a few sequences multiplies the int8 or int4 codes themselves (an eighth of
-  // float32's bytes for int4); many rows go through oneDNN or MKL over the dequantized copy. Both hold the
-  // same policy: each against float64 over the rounded weight, on both thread counts, through the
-  // vector loop where this CPU has AVX2 + FMA and through the plain loop (what other CPUs run).
+  // float32's bytes for int4); many rows go through oneDNN or MKL over the dequantized copy. Both
+  // hold the same policy: each against float64 over the rounded weight, on both thread counts,
+  // through the vector loop where this CPU has AVX2 + FMA and through the plain loop (what other
+  // CPUs run).
   MESSAGE("few-row kernel: " << (few_rows_vectorized() ? "AVX2 + FMA" : "plain loop"));
   const int threads = torch::get_num_threads();
   for (bool plain : {false, true}) {
