@@ -14,7 +14,7 @@
 #include "kernels/batch_invariant.hpp"
 #include "kernels/fused.hpp"
 #include "kernels/packed_linear.hpp"
-#include "kernels/prefix_attention.hpp"
+#include "kernels/decode_attention.hpp"
 #include "policy/error.hpp"
 
 namespace troupe {
@@ -334,74 +334,59 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   k = apply_rope(k.transpose(1, 2), cos, sin, fused_ && !invariant);  // (B, nkv, T, hd)
   v = v.transpose(1, 2);
 
-  bool causal = !mask.defined() && T > 1;
-  if (cache && cache->write_index.defined()) {
-    TORCH_CHECK(T == 1 && mask.defined(), "per-row KV cache writes take one token per row and an explicit mask");
-    auto rows = torch::arange(B, cache->write_index.options());
-    using torch::indexing::Slice;
-    cache->k[layer_].index_put_({rows, Slice(), cache->write_index}, k.squeeze(2));  // (B, nkv, hd)
-    cache->v[layer_].index_put_({rows, Slice(), cache->write_index}, v.squeeze(2));
-    k = cache->k[layer_].narrow(2, 0, cache->span);  // (B, nkv, span, hd)
-    v = cache->v[layer_].narrow(2, 0, cache->span);
-  } else if (cache) {
-    const int64_t start = cache->length;
-    TORCH_CHECK(start + T <= cache->capacity(), "KV cache overflow: ", start, " + ", T, " > ", cache->capacity());
-    cache->k[layer_].narrow(2, start, T).copy_(k);
-    cache->v[layer_].narrow(2, start, T).copy_(v);
-    k = cache->k[layer_].narrow(2, 0, start + T);  // (B, nkv, S, hd)
-    v = cache->v[layer_].narrow(2, 0, start + T);
-    // SDPA's is_causal aligns the top-left corner, which is wrong once keys precede the queries.
-    TORCH_CHECK(!causal || start == 0, "a multi-token step over a non-empty KV cache needs an explicit mask");
-  }
-  std::optional<torch::Tensor> attn_mask;
-  if (mask.defined()) attn_mask = mask;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   torch::Tensor out;
-  if (cache && !cache->prefixes.empty()) {
-    TORCH_CHECK(!invariant && cache->write_index.defined(), "shared prefixes are read in per-row decode steps only");
-    out = attend_with_prefixes(q, k, v, mask, scale, cache->prefixes);  // (B, nh, 1, hd)
-  } else if (invariant) {
-    // One query row at a time over its allowed keys, in key order, whatever the batch: a decode
-    // step over the cache and a full causal pass give each query the same bits.
-    out = kernels::bi_attention(q, k, v, mask, scale);  // (B, nh, T, hd)
-  } else if (T == 1 && n_kv_heads_ != n_heads_) {
-    // One decode step: the query heads sharing a key/value head become that head's query
-    // rows, (B, nkv, nh/nkv, hd), so attention reads each cached key once instead of
-    // repeating the cache per query head (what SDPA's GQA path does on CPU with a mask).
-    auto grouped = q.reshape({B, n_kv_heads_, n_heads_ / n_kv_heads_, head_dim_});
-    out = at::scaled_dot_product_attention(grouped, k, v, attn_mask, 0.0, false, scale)
-              .reshape({B, n_heads_, 1, head_dim_});  // (B, nh, 1, hd)
+  if (cache && cache->write_index.defined() && !invariant && kernels::decode_attention_supports(q)) {
+    // A per-row decode step on a CPU: the cache writes and the attention over each row's shared
+    // prefix and own keys, in one kernel (kernels/decode_attention.hpp).
+    TORCH_CHECK(T == 1, "per-row KV cache writes take one token per row");
+    std::vector<kernels::PrefixPart> parts;
+    parts.reserve(cache->prefixes.size());
+    for (const auto& group : cache->prefixes) parts.push_back({group.kv->k[layer_], group.kv->v[layer_], group.rows});
+    out = kernels::decode_attention(q, k, v, cache->k[layer_], cache->v[layer_], cache->write_index, parts, scale);
   } else {
-    out = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal, scale,
-                                           /*enable_gqa=*/n_kv_heads_ != n_heads_);  // (B, nh, T, hd)
+    TORCH_CHECK(!cache || cache->prefixes.empty(),
+                "shared prefixes are read by the CPU's decode attention only (float32 or bfloat16, not batch-invariant)");
+    bool causal = !mask.defined() && T > 1;
+    if (cache && cache->write_index.defined()) {
+      TORCH_CHECK(T == 1 && mask.defined(), "per-row KV cache writes take one token per row and an explicit mask");
+      auto rows = torch::arange(B, cache->write_index.options());
+      using torch::indexing::Slice;
+      cache->k[layer_].index_put_({rows, Slice(), cache->write_index}, k.squeeze(2));  // (B, nkv, hd)
+      cache->v[layer_].index_put_({rows, Slice(), cache->write_index}, v.squeeze(2));
+      k = cache->k[layer_].narrow(2, 0, cache->span);  // (B, nkv, span, hd)
+      v = cache->v[layer_].narrow(2, 0, cache->span);
+    } else if (cache) {
+      const int64_t start = cache->length;
+      TORCH_CHECK(start + T <= cache->capacity(), "KV cache overflow: ", start, " + ", T, " > ", cache->capacity());
+      cache->k[layer_].narrow(2, start, T).copy_(k);
+      cache->v[layer_].narrow(2, start, T).copy_(v);
+      k = cache->k[layer_].narrow(2, 0, start + T);  // (B, nkv, S, hd)
+      v = cache->v[layer_].narrow(2, 0, start + T);
+      // SDPA's is_causal aligns the top-left corner, which is wrong once keys precede the queries.
+      TORCH_CHECK(!causal || start == 0, "a multi-token step over a non-empty KV cache needs an explicit mask");
+    }
+    std::optional<torch::Tensor> attn_mask;
+    if (mask.defined()) attn_mask = mask;
+    if (invariant) {
+      // One query row at a time over its allowed keys, in key order, whatever the batch: a decode
+      // step over the cache and a full causal pass give each query the same bits.
+      out = kernels::bi_attention(q, k, v, mask, scale);  // (B, nh, T, hd)
+    } else if (T == 1 && n_kv_heads_ != n_heads_) {
+      // One decode step: the query heads sharing a key/value head become that head's query
+      // rows, (B, nkv, nh/nkv, hd), so attention reads each cached key once instead of
+      // repeating the cache per query head (what SDPA's GQA path does on CPU with a mask).
+      auto grouped = q.reshape({B, n_kv_heads_, n_heads_ / n_kv_heads_, head_dim_});
+      out = at::scaled_dot_product_attention(grouped, k, v, attn_mask, 0.0, false, scale)
+                .reshape({B, n_heads_, 1, head_dim_});  // (B, nh, 1, hd)
+    } else {
+      out = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal, scale,
+                                             /*enable_gqa=*/n_kv_heads_ != n_heads_);  // (B, nh, T, hd)
+    }
   }
   out = out.transpose(1, 2).reshape({B, T, n_heads_ * head_dim_});  // (B, T, nh * hd)
   return torch::GradMode::is_enabled() ? project(o_proj_, out, train, invariant)
                                        : o_proj_.add_lora(o_.apply(out, {&o_proj_}, invariant), out, train);
-}
-
-// One decode step over shared prefixes then each row's own keys. The query heads sharing a
-// key/value head are that head's query rows, as in the plain decode step; for a group, those of
-// all its rows go through the prefix's keys together, so the prefix is read once per group.
-// Each part gives its output and log-sum-exp (ATen's CPU flash attention); the merge weighs
-// each output by exp(lse - max lse): exactly softmax over the union of the keys.
-torch::Tensor AttentionImpl::attend_with_prefixes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                                  const torch::Tensor& mask, double scale,
-                                                  const std::vector<KVCache::PrefixGroup>& prefixes) {
-  const int64_t B = q.size(0), per_kv = n_heads_ / n_kv_heads_;
-  auto grouped = q.reshape({B, n_kv_heads_, per_kv, head_dim_});  // (B, nkv, g, hd)
-  // The flash kernel takes an additive mask in the query's dtype.
-  auto additive = torch::zeros(mask.sizes(), q.options()).masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());
-  auto [own, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(grouped, k, v, 0.0, false, additive, scale);
-  // own (B, nkv, g, hd); lse (B, nkv, g) float32
-  std::vector<kernels::PrefixPart> parts;
-  parts.reserve(prefixes.size());
-  for (const auto& group : prefixes) parts.push_back({group.kv->k[layer_], group.kv->v[layer_], group.rows});
-  auto [pre, pre_lse] = kernels::prefix_attention(grouped, parts, scale);  // float32 (B, nkv, g, hd), (B, nkv, g)
-  auto top = torch::maximum(own_lse, pre_lse);  // finite: a row's own keys include its new token
-  auto w_own = (own_lse - top).exp().unsqueeze(-1), w_pre = (pre_lse - top).exp().unsqueeze(-1);
-  auto out = (own.to(torch::kFloat32) * w_own + pre * w_pre) / (w_own + w_pre);
-  return out.to(q.scalar_type()).reshape({B, n_heads_, 1, head_dim_});
 }
 
 void AttentionImpl::set_fused_kernels(bool on) {

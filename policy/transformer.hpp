@@ -33,14 +33,15 @@ struct KVCache {
   std::vector<torch::Tensor> k, v;
   int64_t length = 0;
   // Per-row mode, for decoding sequences of different lengths together (the engine): when
-  // defined, each row writes its one new key/value at write_index[r] and attends over keys
-  // [0, span), masked by the caller; `length` is then unused.
+  // defined, each row writes its one new key/value at write_index[r] and attends over its keys
+  // [0, write_index[r]]; `length` is then unused. On a CPU in float32 or bfloat16 (not
+  // batch-invariant) one kernel does both (kernels/decode_attention.hpp); elsewhere the keys
+  // [0, span) are read, masked by the caller with the mask per_row gives.
   torch::Tensor write_index;  // [B] long
   int64_t span = 0;
-  // Per-row mode with shared prefixes (CPU, float32 or bfloat16): the rows of each group attend
-  // over their group's SharedKV first, then over their own keys as above; the two attentions are
-  // merged by their log-sum-exps. A group's prefix is read once for all its rows, whose queries
-  // go through it as one matrix. Rows in no group attend over their own keys only.
+  // Per-row mode with shared prefixes (CPU, float32 or bfloat16, not batch-invariant): the rows
+  // of each group attend over their group's SharedKV, then over their own keys as above, in one
+  // softmax. Rows in no group attend over their own keys only.
   struct PrefixGroup {
     const SharedKV* kv;
     torch::Tensor rows;  // [G] long: the batch rows whose keys start with kv
@@ -187,10 +188,6 @@ class AttentionImpl : public torch::nn::Module {
   void set_fused_kernels(bool on);
 
  private:
-  torch::Tensor attend_with_prefixes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                     const torch::Tensor& mask, double scale,
-                                     const std::vector<KVCache::PrefixGroup>& prefixes);
-
   int64_t layer_, n_heads_, n_kv_heads_, head_dim_;
   Projection q_proj_, k_proj_, v_proj_, o_proj_;
   RMSNorm q_norm_{nullptr}, k_norm_{nullptr};
