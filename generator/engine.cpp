@@ -9,10 +9,10 @@
 #include <limits>
 #include <map>
 #include <set>
-#include <tuple>
 
 #include <torch/torch.h>
 
+#include "kernels/batch_invariant.hpp"
 #include "policy/error.hpp"
 #include "policy/seed.hpp"
 
@@ -71,9 +71,8 @@ Engine::Engine(Transformer model, std::optional<Tokenizer> tokenizer, EngineOpti
   cache_ = KVCache::allocate(c, options_.max_batch, options_.max_seq_len, weight.options());
   slots_.resize(options_.max_batch);
   prefix_ = options_.prefix;
-  // Shared prefixes are read by the CPU's decode attention (kernels/decode_attention.hpp).
-  const bool cpu_attention = weight.is_cpu() && (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16);
-  if (prefix_ == PrefixSharing::shared && (!cpu_attention || options_.batch_invariant)) prefix_ = PrefixSharing::copy;
+  const bool flash = weight.is_cpu() && (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16);
+  if (prefix_ == PrefixSharing::shared && (!flash || options_.batch_invariant)) prefix_ = PrefixSharing::copy;
   decode_ = options_.decode;
   if (decode_ == DecodeMode::automatic) decode_ = weight.is_cuda() ? DecodeMode::graphs : DecodeMode::eager;
   if (decode_ != DecodeMode::eager) {
@@ -229,17 +228,41 @@ void add_draw(Draws& draws, Sequence& seq) {
 // Whether a row's draw is cut to its top-k / top-p / min-p tokens (greedy rows never are).
 bool truncates(const SamplingParams& p) { return p.temperature > 0 && (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0); }
 
-// The CPU's sampler: each row on its own (sample_row_cpu), spread over the intra-op threads, in
-// buffers of one row that stay in cache. No [R, V] tensor is made: at 128 rows x 49152 tokens
-// each one is 25 MB of fresh pages per step, and their page faults cost more than the sampling.
+// The CPU's sampler: each row on its own, spread over the intra-op threads, from its bf16 or
+// float32 logits to its id and log-prob, in buffers of one row that stay in cache. No [R, V]
+// tensor is made: at 128 rows x 49152 tokens each one is 25 MB of fresh pages per step, and
+// their page faults cost more than the sampling. Each row's values are those of the batched
+// ops (log_softmax row by row, the same noise), so its samples are too.
 std::pair<std::vector<int32_t>, std::vector<float>> sample_rows_cpu(const torch::Tensor& logits, Draws& draws,
                                                                      bool invariant) {
-  const int64_t R = static_cast<int64_t>(draws.params.size());
+  const auto& params = draws.params;
+  const int64_t R = static_cast<int64_t>(params.size());
   std::vector<int32_t> ids(R);
   std::vector<float> logprobs(R);
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      std::tie(ids[r], logprobs[r]) = sample_row_cpu(logits[r], *draws.params[r], *draws.generators[r], invariant);
+    for (int64_t r = begin; r < end; ++r) {
+      const SamplingParams& p = *params[r];
+      const bool sampled = p.temperature > 0;
+      // Greedy rows report log-probs at temperature 1: the distribution whose mode they take.
+      const float temperature = sampled ? p.temperature : 1.0f;
+      auto x = torch::empty({logits.size(1)}, torch::kFloat32).copy_(logits[r]);  // (V), logits stay as they are
+      // Batch-invariant: the log-softmax the trainer's recomputation runs (kernels/).
+      auto logp = invariant ? kernels::bi_log_softmax(x.unsqueeze(0), torch::full({1}, temperature)).squeeze(0)
+                            : x.div_(temperature).log_softmax(0);
+      // Gumbel-max: argmax(log p + g), g = -log(-log(u)), draws exactly from p; u comes from
+      // the sequence's own generator, so the draw does not depend on the batch or the thread.
+      torch::Tensor scores = logp;
+      if (sampled) {
+        auto u = torch::empty_like(logp).uniform_(0.0, 1.0, *draws.generators[r]);
+        scores = at::sub_out(u, logp, u.log_().neg_().log_());
+      }
+      if (truncates(p))
+        scores.masked_fill_(truncate_rows(logp.exp().unsqueeze(0), {&p}).squeeze(0) == 0,
+                            -std::numeric_limits<float>::infinity());
+      const int64_t id = scores.argmax().item<int64_t>();
+      ids[r] = static_cast<int32_t>(id);
+      logprobs[r] = logp[id].item<float>();
+    }
   });
   return {std::move(ids), std::move(logprobs)};
 }

@@ -1,15 +1,10 @@
 // Next-token selection shared by the plain loop and the engine.
 #include "generator/sampling.hpp"
 
-#include <algorithm>
 #include <limits>
-#include <mutex>
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/DistributionsHelper.h>
 #include <torch/torch.h>
 
-#include "kernels/batch_invariant.hpp"
 #include "policy/seed.hpp"
 
 namespace troupe {
@@ -56,37 +51,6 @@ torch::Tensor truncate_rows(torch::Tensor probs, const std::vector<const Samplin
   drop.narrow(1, 0, 1).fill_(false);  // the most likely token always stays
   keep.logical_and_(drop.logical_not());
   return probs.masked_fill(torch::zeros_like(keep).scatter(1, order, keep).logical_not(), 0);
-}
-
-std::pair<int32_t, float> sample_row_cpu(const torch::Tensor& logits, const SamplingParams& p, at::Generator& generator,
-                                         bool invariant) {
-  const bool sampled = p.temperature > 0;
-  // Greedy rows report log-probs at temperature 1: the distribution whose mode they take.
-  const float temperature = sampled ? p.temperature : 1.0f;
-  auto x = torch::empty({logits.size(0)}, torch::kFloat32).copy_(logits);  // (V), logits stay as they are
-  auto logp = invariant ? kernels::bi_log_softmax(x.unsqueeze(0), torch::full({1}, temperature)).squeeze(0)
-                        : x.div_(temperature).log_softmax(0);
-  int64_t id = 0;
-  if (!sampled) {
-    id = logp.argmax().item<int64_t>();
-  } else {
-    auto probs = logp.exp();
-    if (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0) probs = truncate_probs(probs, p);
-    // CPU cumsum accumulates float32 in double; each stored sum is rounded once, and the sums
-    // stay non-decreasing, so the first one past u x total is a token of positive probability.
-    auto cdf = probs.cumsum(0);
-    const float* c = cdf.const_data_ptr<float>();
-    const int64_t V = cdf.size(0);
-    double u = 0;
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      u = at::uniform_real_distribution<double>(0.0, 1.0)(generator.get<at::CPUGeneratorImpl>());
-    }
-    const double target = u * static_cast<double>(c[V - 1]);  // < the total: u < 1
-    id = std::upper_bound(c, c + V, target, [](double t, float v) { return t < static_cast<double>(v); }) - c;
-    id = std::min(id, V - 1);
-  }
-  return {static_cast<int32_t>(id), logp[id].item<float>()};
 }
 
 namespace {

@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include <ATen/core/Generator.h>
@@ -31,17 +30,6 @@ torch::Tensor truncate_probs(torch::Tensor probs, const SamplingParams& p);
 // of whole-batch ops (one sort): no launch per row on an accelerator. Rows whose parameters cut
 // nothing come back unchanged; so does the whole batch when no row cuts anything.
 torch::Tensor truncate_rows(torch::Tensor probs, const std::vector<const SamplingParams*>& params);
-
-// One row's draw on the CPU, from its logits [V] (float32 or bfloat16) to (token id, log-prob):
-// the log-prob is log_softmax(logits / T) at the id, the distribution a trainer recomputes (at
-// temperature 1 for greedy rows, which take its argmax); `invariant`: from the batch-invariant
-// log_softmax (kernels/). A sampled row draws by inverse transform: one uniform from `generator`
-// (the sequence's own stream, so the draw depends on neither the batch nor the thread) against
-// the cumulative sum of its probabilities, truncated first when its parameters cut (top-k, top-p,
-// min-p). One uniform per token instead of one per vocabulary entry: Gumbel-max over the row
-// drew 49152 uniforms and took two logs of each, most of the sampler's time.
-std::pair<int32_t, float> sample_row_cpu(const torch::Tensor& logits, const SamplingParams& p, at::Generator& generator,
-                                         bool invariant);
 
 // Gumbel noise [R, V] on `device`, -log(-log(u)), with row r's uniforms a function of
 // (seeds[r], counters[r], token id) alone: a counter-based hash (two rounds of a 32-bit

@@ -1,13 +1,10 @@
 // The engine's top-k, top-p and min-p truncation (generator/sampling.hpp) against
 // transformers' logits warpers at ordinary values, alone and chained in troupe's order
-// (fixtures: tests/generator/make_sampling_fixtures.py); the samplers' draws against the
-// distributions they draw from.
+// (fixtures: tests/generator/make_sampling_fixtures.py).
 #include <doctest/doctest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -140,83 +137,4 @@ TEST_CASE("hashed Gumbel noise draws each row from its distribution, from its ow
   std::vector<int64_t> many(256);
   for (int64_t i = 0; i < 256; ++i) many[i] = i;
   CHECK(torch::isfinite(hashed_gumbel(std::vector<uint64_t>(256, 1), many, 50000, torch::kCPU)).all().item<bool>());
-}
-
-TEST_CASE("the CPU's row sampler draws from softmax(logits / T), truncated where asked, and reports its log-probs") {
-  // 40,000 draws (one generator) for each case, each frequency within 5 standard errors of the
-  // case's distribution and Pearson's chi-square below 25 + 3 x degrees of freedom (p < 1e-4 for
-  // a correct sampler); each reported log-prob is log_softmax(logits / T) at the drawn id.
-  const std::vector<double> p = {0.4, 0.25, 0.15, 0.1, 0.07, 0.03};
-  const int64_t V = static_cast<int64_t>(p.size()), N = 40000;
-  auto base = torch::tensor(p, torch::kFloat64).log();  // (V)
-  struct Case {
-    SamplingParams params;
-    std::vector<double> expected;
-  };
-  std::vector<Case> cases;
-  cases.push_back({SamplingParams{.temperature = 1.0}, p});
-  {  // temperature 0.5: p^2, renormalized
-    std::vector<double> q(V);
-    double z = 0;
-    for (int64_t v = 0; v < V; ++v) z += (q[v] = p[v] * p[v]);
-    for (auto& x : q) x /= z;
-    cases.push_back({SamplingParams{.temperature = 0.5}, q});
-  }
-  cases.push_back({SamplingParams{.temperature = 1.0, .top_k = 3}, {0.5, 0.3125, 0.1875, 0, 0, 0}});
-  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    for (const auto& c : cases) {
-      const std::string type = c10::toString(dtype);
-      CAPTURE(type);
-      CAPTURE(c.params.temperature);
-      CAPTURE(c.params.top_k);
-      // bf16 rounds the logits: the distribution drawn from is that of the rounded logits.
-      auto logits = base.to(dtype);
-      auto logp = (logits.to(torch::kFloat64) / c.params.temperature).log_softmax(0);
-      std::vector<double> expected = c.expected;
-      if (dtype != torch::kFloat32 && c.params.top_k < 0) {
-        auto q = logp.exp();
-        for (int64_t v = 0; v < V; ++v) expected[v] = q[v].item<double>();
-      } else if (dtype != torch::kFloat32) {
-        auto q = logp.exp().narrow(0, 0, 3);
-        q = q / q.sum();
-        for (int64_t v = 0; v < 3; ++v) expected[v] = q[v].item<double>();
-      }
-      at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(1234);
-      std::vector<double> counts(V, 0);
-      double worst = 0;
-      for (int64_t i = 0; i < N; ++i) {
-        auto [id, logprob] = sample_row_cpu(logits, c.params, generator, /*invariant=*/false);
-        REQUIRE(id >= 0);
-        REQUIRE(id < V);
-        counts[id] += 1;
-        worst = std::max(worst, std::abs(logprob - logp[id].item<double>()));
-      }
-      CHECK(worst < 1e-6);
-      double chi2 = 0;
-      int64_t dof = -1;
-      for (int64_t v = 0; v < V; ++v) {
-        CAPTURE(v);
-        if (expected[v] == 0) {
-          CHECK(counts[v] == 0);  // truncated away
-          continue;
-        }
-        ++dof;
-        const double f = counts[v] / N;
-        CHECK(std::abs(f - expected[v]) < 5 * std::sqrt(expected[v] * (1 - expected[v]) / N));
-        chi2 += (counts[v] - expected[v] * N) * (counts[v] - expected[v] * N) / (expected[v] * N);
-      }
-      MESSAGE(type << " T=" << c.params.temperature << " top_k=" << c.params.top_k << ": chi-square " << chi2 << " ("
-                   << dof << " degrees of freedom) over " << N << " draws");
-      CHECK(chi2 < 25 + 3 * dof);
-    }
-  }
-  // The same seed, the same draws; greedy takes the argmax and reports its log-prob at T = 1.
-  at::Generator a = at::make_generator<at::CPUGeneratorImpl>(7), b = at::make_generator<at::CPUGeneratorImpl>(7);
-  const SamplingParams sampled{.temperature = 1.0};
-  for (int i = 0; i < 100; ++i)
-    CHECK(sample_row_cpu(base.to(torch::kFloat32), sampled, a, false) ==
-          sample_row_cpu(base.to(torch::kFloat32), sampled, b, false));
-  auto [id, logprob] = sample_row_cpu(base.to(torch::kFloat32), SamplingParams{.temperature = 0.0}, a, false);
-  CHECK(id == 0);
-  CHECK(std::abs(logprob - std::log(0.4)) < 1e-6);
 }
