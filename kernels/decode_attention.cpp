@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "kernels/avx2.hpp"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 // SLEEF's exp over 8 floats (1 ulp), which the torch wheel's libtorch_cpu exports: ATen's AVX2
@@ -83,12 +85,7 @@ __attribute__((target("avx2,fma"))) inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using avx2::hsum;
 
 __attribute__((target("avx2,fma"))) inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -162,15 +159,6 @@ __attribute__((target("avx2,fma"))) void block_avx2(State& st, const T* k, const
   }
 }
 
-bool avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
-
-#else
-
-bool avx2_fma() { return false; }
-
 #endif
 
 // Keys and values of one (row, key/value head): n rows of hd elements, `stride` apart.
@@ -200,7 +188,7 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
          const at::Tensor& cache_v, const int64_t* write, const std::vector<PrefixPart>& prefixes,
          const std::vector<int64_t>& prefix_of, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(3), nkv = k_new.size(1), g = nh / nkv;
-  const bool vectorized = avx2_fma() && hd % 8 == 0;
+  const bool vectorized = avx2::supported() && hd % 8 == 0;
   const T* qp = q.data_ptr<T>();
   const T* knp = k_new.data_ptr<T>();
   const T* vnp = v_new.data_ptr<T>();

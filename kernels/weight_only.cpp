@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/linear.h>
 
+#include "kernels/avx2.hpp"
 #include "kernels/packed_linear.hpp"
 
 #if defined(__x86_64__)
@@ -177,12 +178,7 @@ void few_rows_plain(const FewRowsArgs& a, int bits, int64_t n0, int64_t n1) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using avx2::hsum;
 
 // 8 bytes at p -> 8 floats.
 __attribute__((target("avx2,fma"))) inline __m256 int8x8(const int8_t* p) {
@@ -266,8 +262,7 @@ std::atomic<bool> plain_forced{false};
 
 bool avx2_fma() {
 #if defined(__x86_64__)
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes && !plain_forced.load(std::memory_order_relaxed);
+  return avx2::supported() && !plain_forced.load(std::memory_order_relaxed);
 #else
   return false;
 #endif
