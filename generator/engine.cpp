@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include "kernels/batch_invariant.hpp"
+#include "kernels/gumbel_max.hpp"
 #include "policy/error.hpp"
 #include "policy/seed.hpp"
 
@@ -251,15 +252,16 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows_cpu(const torch:
                             : x.div_(temperature).log_softmax(0);
       // Gumbel-max: argmax(log p + g), g = -log(-log(u)), draws exactly from p; u comes from
       // the sequence's own generator, so the draw does not depend on the batch or the thread.
-      torch::Tensor scores = logp;
+      // Tokens cut by top-k / top-p / min-p score -inf. One pass, no noise tensor (kernels/).
+      int64_t id = 0;
       if (sampled) {
-        auto u = torch::empty_like(logp).uniform_(0.0, 1.0, *draws.generators[r]);
-        scores = at::sub_out(u, logp, u.log_().neg_().log_());
+        auto kept = truncates(p) ? logp.masked_fill(truncate_rows(logp.exp().unsqueeze(0), {&p}).squeeze(0) == 0,
+                                                    -std::numeric_limits<float>::infinity())
+                                 : logp;
+        id = kernels::gumbel_max(kept, *draws.generators[r]);
+      } else {
+        id = logp.argmax().item<int64_t>();
       }
-      if (truncates(p))
-        scores.masked_fill_(truncate_rows(logp.exp().unsqueeze(0), {&p}).squeeze(0) == 0,
-                            -std::numeric_limits<float>::infinity());
-      const int64_t id = scores.argmax().item<int64_t>();
       ids[r] = static_cast<int32_t>(id);
       logprobs[r] = logp[id].item<float>();
     }

@@ -1,11 +1,16 @@
-// What the AVX2 + FMA loops of kernels/ share (weight_only.cpp, decode_attention.cpp): the run-time
-// check for the instructions and a horizontal sum. Each function is compiled for AVX2 + FMA by its
-// own attribute, so files built for the baseline ISA call them only after the check. Not for
-// callers outside kernels/.
+// What the AVX2 + FMA loops of kernels/ share (weight_only.cpp, decode_attention.cpp,
+// gumbel_max.cpp): the run-time check for the instructions, a horizontal sum, and SLEEF's exp and
+// log. Each function is compiled for AVX2 + FMA by its own attribute, so files built for the
+// baseline ISA call them only after the check. Not for callers outside kernels/.
 #pragma once
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+// SLEEF's exp and log over 8 floats (1 ulp), which the torch wheel's libtorch_cpu exports: ATen's
+// AVX2 kernels call them (ATen/cpu/vec/vec256/vec256_float.h). Declared here rather than through
+// sleef.h, which declares its AVX2 functions only in files compiled for AVX2.
+extern "C" __attribute__((target("avx2,fma"))) __m256 Sleef_expf8_u10avx2(__m256);
+extern "C" __attribute__((target("avx2,fma"))) __m256 Sleef_logf8_u10avx2(__m256);
 #endif
 
 namespace troupe::kernels::avx2 {

@@ -11,14 +11,6 @@
 
 #include "kernels/avx2.hpp"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-// SLEEF's exp over 8 floats (1 ulp), which the torch wheel's libtorch_cpu exports: ATen's AVX2
-// kernels call it (ATen/cpu/vec/vec256/vec256_float.h). Declared here rather than through
-// sleef.h, which declares its AVX2 functions only in files compiled for AVX2.
-extern "C" __attribute__((target("avx2,fma"))) __m256 Sleef_expf8_u10avx2(__m256);
-#endif
-
 namespace troupe::kernels {
 namespace {
 
