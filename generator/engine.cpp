@@ -14,6 +14,7 @@
 
 #include "kernels/batch_invariant.hpp"
 #include "kernels/gumbel_max.hpp"
+#include "kernels/parallel.hpp"
 #include "policy/error.hpp"
 #include "policy/seed.hpp"
 
@@ -240,7 +241,7 @@ std::pair<std::vector<int32_t>, std::vector<float>> sample_rows_cpu(const torch:
   const int64_t R = static_cast<int64_t>(params.size());
   std::vector<int32_t> ids(R);
   std::vector<float> logprobs(R);
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+  kernels::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const SamplingParams& p = *params[r];
       const bool sampled = p.temperature > 0;
