@@ -166,7 +166,7 @@ __attribute__((target("avx2,fma"))) int64_t vectorized(const float* logp, int64_
 
 }  // namespace
 
-int64_t gumbel_max(const torch::Tensor& logp, at::Generator& gen) {
+int64_t gumbel_max(const torch::Tensor& logp, at::Generator& gen, Loop loop) {
   TORCH_CHECK(logp.is_cpu() && logp.scalar_type() == at::kFloat && logp.dim() == 1 && logp.is_contiguous() &&
                   logp.numel() > 0,
               "gumbel_max: logp must be a non-empty contiguous [V] float32 tensor on the CPU, got ", logp.sizes(), " ",
@@ -180,7 +180,7 @@ int64_t gumbel_max(const torch::Tensor& logp, at::Generator& gen) {
   const float* p = logp.data_ptr<float>();
   const int64_t V = logp.numel();
 #if defined(__x86_64__)
-  const int64_t id = avx2::supported() ? vectorized(p, V, engine) : plain(p, V, engine);
+  const int64_t id = loop == Loop::best && avx2::supported() ? vectorized(p, V, engine) : plain(p, V, engine);
 #else
   const int64_t id = plain(p, V, engine);
 #endif

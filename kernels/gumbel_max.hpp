@@ -19,6 +19,8 @@ namespace troupe::kernels {
 // std::log; ATen's log_ (MKL's in the torch wheel) may differ from either in the last bit, which
 // changes a draw only where two tokens' scores tie to that bit. Most tokens skip the logs: a
 // cheap bound shows they cannot win (see the .cpp).
-int64_t gumbel_max(const torch::Tensor& logp, at::Generator& gen);
+// `loop`: Loop::plain runs the loop of CPUs without AVX2 anywhere, for its test.
+enum class Loop { best, plain };
+int64_t gumbel_max(const torch::Tensor& logp, at::Generator& gen, Loop loop = Loop::best);
 
 }  // namespace troupe::kernels

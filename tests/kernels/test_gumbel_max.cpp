@@ -25,28 +25,32 @@ int64_t reference(const torch::Tensor& logp, at::Generator& gen) {
 
 TEST_CASE("gumbel_max draws the token ATen's uniform_, logs and argmax draw, from the same generator state") {
   torch::manual_seed(0);
-  // SmolLM2's vocabulary, sizes with a last group of fewer than 8, and a single token.
-  for (int64_t V : {49152, 1003, 13, 8, 1}) {
-    CAPTURE(V);
-    auto ours = at::make_generator<at::CPUGeneratorImpl>(1234 + V);
-    auto theirs = at::make_generator<at::CPUGeneratorImpl>(1234 + V);
-    const int rows = V > 10000 ? 300 : 3000;
-    int64_t distinct = 0, last = -1;
-    for (int r = 0; r < rows; ++r) {
-      // Peaked and flat rows: logits of spread 1 to 8, some tokens cut to -inf (top-k/top-p).
-      auto logp = (torch::randn({V}) * (1 + r % 8)).log_softmax(0);
-      if (r % 3 == 0 && V > 1) logp.masked_fill_(torch::rand({V}) < 0.5, -std::numeric_limits<float>::infinity());
-      if (!torch::isfinite(logp).any().item<bool>()) logp[0] = 0.0f;
-      const int64_t want = reference(logp, theirs);
-      const int64_t got = kernels::gumbel_max(logp, ours);
-      REQUIRE(got == want);
-      CHECK(std::isfinite(logp[got].item<float>()));
-      distinct += got != last;
-      last = got;
+  // SmolLM2's vocabulary, sizes with a last group of fewer than 8, and a single token; the vector
+  // loop (on this CPU, when it has AVX2) and the plain one.
+  for (auto loop : {kernels::Loop::best, kernels::Loop::plain}) {
+    for (int64_t V : {49152, 1003, 13, 8, 1}) {
+      CAPTURE(V);
+      CAPTURE(static_cast<int>(loop));
+      auto ours = at::make_generator<at::CPUGeneratorImpl>(1234 + V);
+      auto theirs = at::make_generator<at::CPUGeneratorImpl>(1234 + V);
+      const int rows = V > 10000 ? 300 : 3000;
+      int64_t distinct = 0, last = -1;
+      for (int r = 0; r < rows; ++r) {
+        // Peaked and flat rows: logits of spread 1 to 8, some tokens cut to -inf (top-k/top-p).
+        auto logp = (torch::randn({V}) * (1 + r % 8)).log_softmax(0);
+        if (r % 3 == 0 && V > 1) logp.masked_fill_(torch::rand({V}) < 0.5, -std::numeric_limits<float>::infinity());
+        if (!torch::isfinite(logp).any().item<bool>()) logp[0] = 0.0f;
+        const int64_t want = reference(logp, theirs);
+        const int64_t got = kernels::gumbel_max(logp, ours, loop);
+        REQUIRE(got == want);
+        CHECK(std::isfinite(logp[got].item<float>()));
+        distinct += got != last;
+        last = got;
+      }
+      // Both generators advanced by the same V outputs per row: their next draws agree.
+      CHECK(torch::equal(ours.get_state(), theirs.get_state()));
+      if (V > 1) CHECK(distinct > rows / 2);  // draws, not a fixed token
     }
-    // Both generators advanced by the same V outputs per row: their next draws agree.
-    CHECK(torch::equal(ours.get_state(), theirs.get_state()));
-    if (V > 1) CHECK(distinct > rows / 2);  // draws, not a fixed token
   }
 }
 
