@@ -14,28 +14,12 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "bench/copy_bandwidth.hpp"
 #include "generator/generate.hpp"
 #include "kernels/cpu_features.hpp"
 #include "kernels/packed_linear.hpp"
 #include "kernels/weight_only.hpp"
 #include "policy/checkpoint.hpp"
-
-namespace {
-// Bytes per second of a plain copy of a buffer well beyond the caches (read plus write counted),
-// best of five: the limit a decode step that streams its weights cannot beat.
-double copy_bandwidth() {
-  auto src = torch::rand({64 << 20});  // 256 MB
-  auto dst = torch::empty_like(src);
-  double best = 0;
-  for (int i = 0; i < 5; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
-    dst.copy_(src);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, 2.0 * src.numel() * src.element_size() / s);
-  }
-  return best;
-}
-}  // namespace
 
 int main(int argc, char** argv) {
   std::string model_path, prompt_ids, dtype_name = "float32";
@@ -96,7 +80,7 @@ int main(int argc, char** argv) {
                            {"dtype", dtype_name},
                            {"weight_bytes_per_token", m.model->gemm_weight_bytes()},
                            {"quantize_s", quantize_s},
-                           {"copy_bytes_per_s", copy_bandwidth()},
+                           {"copy_bytes_per_s", troupe::bench::copy_bandwidth()},
                            {"cpu_bf16", troupe::cpu_bf16().reason},
                            // int8/int4 over float32 activations, one row: the few-row kernel's loop
                            {"few_rows", troupe::kernels::few_rows_vectorized() ? "AVX2 + FMA loop" : "plain loop"},

@@ -1,5 +1,6 @@
 // troupe's side of bench/generation_throughput.py: the engine generates n samples of each
-// prompt (token ids from a JSON file) to a fixed length; prints one JSON line with timings.
+// prompt (token ids from a JSON file) to a fixed length; prints one JSON line with timings, the
+// bytes its decode steps read at least (below), and this machine's bandwidth by a plain copy.
 #include <chrono>
 #include <fstream>
 #include <map>
@@ -9,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "bench/copy_bandwidth.hpp"
 #include "generator/engine.hpp"
 #include "kernels/packed_linear.hpp"
 #include "policy/checkpoint.hpp"
@@ -64,8 +66,31 @@ int main(int argc, char** argv) {
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     int64_t tokens = 0;
     for (const auto& c : out) tokens += c.ids.size();
-    std::cout << nlohmann::json{{"seconds", seconds}, {"tokens", tokens}, {"tokens_per_s", tokens / seconds},
-                                {"graphs", engine.decode_graphs()}}.dump()
+    // What the decode steps read at least: the GEMM weights once a step for the whole batch, and
+    // each row's keys and values so far, its group's prompt once per group where the engine
+    // shares it (PrefixSharing::shared on the CPU, float32 or bf16, default kernels), else each
+    // row its own copy. Every row has exactly max_tokens tokens (EOS ignored), the first from its
+    // prefill; rows beyond max_batch wait for a later wave of decode steps.
+    const auto& c = m.model->config();
+    const int64_t rows = static_cast<int64_t>(prompts.size()) * n;
+    const int64_t steps = (rows + max_batch - 1) / max_batch * (max_tokens - 1);
+    const int64_t key_bytes = c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * torch::elementSize(dtype);
+    const bool shared = prefixes.at(prefix_name) == troupe::PrefixSharing::shared && !batch_invariant &&
+                        torch::Device(device_name).is_cpu();
+    int64_t keys = 0;  // keys (and values) read over all decode steps
+    for (const auto& p : prompts)
+      for (int64_t t = 1; t < max_tokens; ++t)
+        keys += shared ? static_cast<int64_t>(p.size()) + n * t : n * (static_cast<int64_t>(p.size()) + t);
+    const double weight_bytes = static_cast<double>(m.model->gemm_weight_bytes()) * steps;
+    const double kv_bytes = static_cast<double>(keys) * key_bytes;
+    std::cout << nlohmann::json{{"seconds", seconds},
+                                {"tokens", tokens},
+                                {"tokens_per_s", tokens / seconds},
+                                {"graphs", engine.decode_graphs()},
+                                {"weight_bytes_per_token", weight_bytes / tokens},
+                                {"kv_bytes_per_token", kv_bytes / tokens},
+                                {"copy_bytes_per_s", troupe::bench::copy_bandwidth(torch::Device(device_name))}}
+                     .dump()
               << std::endl;
   } catch (const std::exception& e) {
     std::cerr << "bench_generate: " << e.what() << "\n";

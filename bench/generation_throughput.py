@@ -14,6 +14,10 @@ transformers' generate with num_return_sequences=n repeats each prompt n times b
 prefill: one forward over prompts x n rows, left-padded to the longest prompt. The ratio
 includes that saving, which is troupe's by design and grows with n and with the prompts' length.
 
+troupe's line of bytes is a floor: the GEMM weights once per decode step for the whole batch,
+and the keys and values each row attends over (a shared prompt once per group), against a
+plain copy's bandwidth measured in the same run on the same device (bench/copy_bandwidth.hpp).
+
 On a GPU, troupe's engine replays CUDA graphs of its decode step (its default there); the script
 also times it decoding eagerly, and prints the graphs' speed-up.
 
@@ -99,6 +103,15 @@ def main():
     for name, r in (("troupe", ours), ("transformers", theirs)):
         print(f"{name + ':':14}{r['tokens_per_s']:9.1f} tokens/s ({r['tokens']} tokens in {r['seconds']:.1f} s)")
     print(f"ratio troupe / transformers: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
+    # troupe's decode steps against the bandwidth limit: the bytes they read at least per token
+    # (bench/generate.cpp), at troupe's tokens/s, as a fraction of a plain copy's bytes/s.
+    per_token = ours["weight_bytes_per_token"] + ours["kv_bytes_per_token"]
+    bandwidth = ours["copy_bytes_per_s"]
+    print(f"troupe's {args.dtype} weights (full) and keys/values: at least {per_token / 1e6:.2f} MB read per token "
+          f"({ours['weight_bytes_per_token'] / 1e6:.2f} MB of weights, read once per decode step for the batch, "
+          f"{ours['kv_bytes_per_token'] / 1e6:.2f} MB of keys and values); memory bandwidth (plain copy, read + write) "
+          f"{bandwidth / 1e9:.1f} GB/s: {ours['tokens_per_s'] * per_token / bandwidth:.0%} of the limit "
+          f"({bandwidth / per_token:.0f} tokens/s)")
     if eager:
         print(f"{'troupe, eager decode:':26}{eager['tokens_per_s']:9.1f} tokens/s ({eager['tokens']} tokens in "
               f"{eager['seconds']:.1f} s); CUDA graphs: {ours['graphs']} captured, {ours['tokens_per_s'] / eager['tokens_per_s']:.2f}x eager")
