@@ -68,15 +68,13 @@ int main(int argc, char** argv) {
     for (const auto& c : out) tokens += c.ids.size();
     // What the decode steps read at least: the GEMM weights once a step for the whole batch, and
     // each row's keys and values so far, its group's prompt once per group where the engine
-    // shares it (PrefixSharing::shared on the CPU, float32 or bf16, default kernels), else each
-    // row its own copy. Every row has exactly max_tokens tokens (EOS ignored), the first from its
+    // shares it (Engine::prefix_sharing), else each row its own copy. Every row has exactly max_tokens tokens (EOS ignored), the first from its
     // prefill; rows beyond max_batch wait for a later wave of decode steps.
     const auto& c = m.model->config();
     const int64_t rows = static_cast<int64_t>(prompts.size()) * n;
     const int64_t steps = (rows + max_batch - 1) / max_batch * (max_tokens - 1);
     const int64_t key_bytes = c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * torch::elementSize(dtype);
-    const bool shared = prefixes.at(prefix_name) == troupe::PrefixSharing::shared && !batch_invariant &&
-                        torch::Device(device_name).is_cpu();
+    const bool shared = engine.prefix_sharing() == troupe::PrefixSharing::shared;
     int64_t keys = 0;  // keys (and values) read over all decode steps
     for (const auto& p : prompts)
       for (int64_t t = 1; t < max_tokens; ++t)
