@@ -51,26 +51,23 @@ int64_t plain(const float* logp, int64_t V, Engine& engine) {
 #if defined(__x86_64__)
 
 // The next n uniforms of the engine into u, as next_uniform makes them one by one: its tempering
-// and the conversion to float run on 8 state words at once, and its own call renews the state
-// (its twist) whenever the words are spent.
-__attribute__((target("avx2,fma"))) void draw_uniforms(at::mt19937& mt, float* u, int64_t n) {
+// and the conversion to float run on 8 state words at once; fewer than 8 words left before the
+// state's renewal (its twist), or before n, go through the engine's own call, which renews it.
+__attribute__((target("avx2,fma"))) void draw_uniforms(Engine& engine, float* u, int64_t n) {
   const __m256i low24 = _mm256_set1_epi32((1 << 24) - 1);
   const __m256i b = _mm256_set1_epi32(static_cast<int>(0x9d2c5680u)), c = _mm256_set1_epi32(static_cast<int>(0xefc60000u));
   const __m256 scale = _mm256_set1_ps(1.0f / (1 << 24));
   int64_t i = 0;
   while (i < n) {
-    at::mt19937_data_pod state = mt.data();
+    at::mt19937_data_pod state = engine.mt.data();
     const int64_t ready = state.left_ - 1;  // words left before the next twist
-    if (ready <= 0) {
-      Engine once{mt};
-      u[i++] = next_uniform(once);  // twists, then takes the first new word
-      mt = once.mt;
+    const int64_t take = std::min<int64_t>(ready, n - i) / 8 * 8;
+    if (take == 0) {
+      for (int64_t j = 0; j < 8 && i < n; ++j) u[i++] = next_uniform(engine);
       continue;
     }
-    const int64_t take = std::min(ready, n - i);
     const uint32_t* words = state.state_.data() + state.next_;
-    int64_t j = 0;
-    for (; j + 8 <= take; j += 8) {
+    for (int64_t j = 0; j < take; j += 8) {
       __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + j));
       y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 11));
       y = _mm256_xor_si256(y, _mm256_and_si256(_mm256_slli_epi32(y, 7), b));
@@ -78,17 +75,9 @@ __attribute__((target("avx2,fma"))) void draw_uniforms(at::mt19937& mt, float* u
       y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 18));
       _mm256_storeu_ps(u + i + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(y, low24)), scale));
     }
-    for (; j < take; ++j) {
-      uint32_t y = words[j];
-      y ^= y >> 11;
-      y ^= (y << 7) & 0x9d2c5680u;
-      y ^= (y << 15) & 0xefc60000u;
-      y ^= y >> 18;
-      u[i + j] = static_cast<float>(y & ((1u << 24) - 1)) * (1.0f / (1 << 24));
-    }
     state.next_ += static_cast<uint32_t>(take);
     state.left_ -= static_cast<int>(take);
-    mt.set_data(state);
+    engine.mt.set_data(state);
     i += take;
   }
 }
@@ -116,7 +105,7 @@ __attribute__((target("avx2,fma"))) int64_t vectorized(const float* logp, int64_
   for (int64_t i0 = 0; i0 < V; i0 += 8) {
     const int64_t n = std::min<int64_t>(8, V - i0);
     float* ui = u + i0 % kDraws;
-    if (i0 % kDraws == 0) draw_uniforms(engine.mt, u, std::min(kDraws, V - i0));
+    if (i0 % kDraws == 0) draw_uniforms(engine, u, std::min(kDraws, V - i0));
     __m256 lp;
     if (n == 8) {
       lp = _mm256_loadu_ps(logp + i0);
